@@ -1,0 +1,21 @@
+"""fastattn: exact scaled-dot-product attention for NumPy arrays on the CPU, fast.
+
+    import fastattn as fa
+    out = fa.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+See README.md for the semantics; `python -m fastattn info` shows which backends are available.
+"""
+from .api import (attention, merge_attention, merge_heads, multihead, scaled_dot_product_attention,
+                  softmax, split_heads)
+from ._backends import (BackendInfo, BackendUnavailableError, backends, get_backend, set_backend,
+                       use_backend)
+from .masks import causal_mask, padding_mask, sliding_window_mask
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "scaled_dot_product_attention", "merge_attention", "softmax", "attention", "multihead",
+    "split_heads", "merge_heads", "causal_mask", "padding_mask", "sliding_window_mask",
+    "backends", "get_backend", "set_backend", "use_backend", "BackendInfo",
+    "BackendUnavailableError", "__version__",
+]

@@ -1,0 +1,384 @@
+"""Checking user input and building the canonical problem the backends compute.
+
+Everything that is Python-level (dtype rules, broadcasting, defaults, strides) happens here once,
+so a backend only ever sees C-contiguous float32/float64 arrays and plain scalars.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+# ----------------------------------------------------------------------------------------------
+# dtypes
+# ----------------------------------------------------------------------------------------------
+def compute_dtype(dtype: np.dtype) -> np.dtype | None:
+    """The dtype kernels compute in for an input dtype, or None when the dtype is unsupported.
+
+    float16 and bfloat16 compute in float32 (their own range overflows in Q.K^T) and the result is
+    cast back; float32 and float64 compute in their own precision.
+    """
+    dtype = np.dtype(dtype)
+    if dtype == np.float64:
+        return np.dtype(np.float64)
+    if dtype in (np.float32, np.float16) or dtype.name == "bfloat16":
+        return np.dtype(np.float32)
+    return None
+
+
+def describe(x) -> str:
+    """A short description of an argument for error messages."""
+    if isinstance(x, np.ndarray):
+        return f"array of shape {x.shape} and dtype {x.dtype}"
+    return f"{type(x).__name__} {x!r}"[:120]
+
+
+def as_float_array(x, name: str, fn: str) -> np.ndarray:
+    """x as an ndarray of a supported float dtype, or TypeError naming the argument."""
+    if isinstance(x, np.ndarray):
+        arr = x
+    else:
+        try:
+            arr = np.asarray(x)
+        except Exception as exc:  # ragged lists and the like
+            raise TypeError(f"{fn}: {name} must be an array of floats, got {describe(x)} ({exc})") from None
+    if compute_dtype(arr.dtype) is None:
+        raise TypeError(
+            f"{fn}: {name} must have a float dtype (float16, bfloat16, float32 or float64), "
+            f"got {arr.dtype} (shape {arr.shape})")
+    return arr
+
+
+def check_same_dtype(fn: str, **arrays: np.ndarray) -> np.dtype:
+    dtypes = {name: a.dtype for name, a in arrays.items()}
+    if len(set(dtypes.values())) > 1:
+        listed = ", ".join(f"{name} {dt}" for name, dt in dtypes.items())
+        raise TypeError(f"{fn}: {', '.join(dtypes)} must have the same dtype, got {listed}")
+    return next(iter(dtypes.values()))
+
+
+def lse_dtype(compute: np.dtype) -> np.dtype:
+    return np.dtype(np.float64 if compute == np.float64 else np.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# scalar options
+# ----------------------------------------------------------------------------------------------
+def _real(x, name: str, fn: str) -> float:
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{fn}: {name} must be a real number, got {describe(x)}")
+    return float(x)
+
+
+def check_scale(scale, head_dim: int, fn: str) -> float:
+    if scale is None:
+        # 1/sqrt(E) as in torch; E == 0 has no meaningful default, every score is 0 anyway.
+        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    value = _real(scale, "scale", fn)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"{fn}: scale must be a finite number > 0, got {scale!r}")
+    return value
+
+
+def check_softcap(softcap, fn: str) -> float:
+    if softcap is None:
+        return 0.0
+    value = _real(softcap, "softcap", fn)
+    if value == 0.0:
+        return 0.0
+    if not math.isfinite(value) or value < 0.0:
+        raise ValueError(f"{fn}: softcap must be None, 0 or a finite number > 0, got {softcap!r}")
+    return value
+
+
+def check_dropout(dropout_p, fn: str) -> float:
+    value = _real(dropout_p, "dropout_p", fn)
+    if not (0.0 <= value < 1.0):
+        raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p!r}")
+    return value
+
+
+def dropout_seed(rng, fn: str) -> int:
+    """A uint32 seed for the dropout hash from an int seed, a Generator, or fresh entropy (None)."""
+    if rng is None:
+        return int(np.random.default_rng().integers(0, 2**32, dtype=np.uint64))
+    if isinstance(rng, np.random.Generator):
+        return int(rng.integers(0, 2**32, dtype=np.uint64))
+    if isinstance(rng, (numbers.Integral, np.integer)) and not isinstance(rng, (bool, np.bool_)):
+        if rng < 0:
+            raise ValueError(f"{fn}: rng must be a non-negative int seed or a numpy Generator, got {rng!r}")
+        # SeedSequence spreads any int (also > 2**32) over the 32 bits the hash uses.
+        return int(np.random.SeedSequence(int(rng)).generate_state(1, np.uint32)[0])
+    raise TypeError(f"{fn}: rng must be None, an int seed or a numpy.random.Generator, got {describe(rng)}")
+
+
+def check_alignment(alignment, name: str, fn: str) -> str:
+    if alignment not in ALIGNMENTS:
+        raise ValueError(f"{fn}: {name} must be 'top_left' or 'bottom_right', got {alignment!r}")
+    return alignment
+
+
+def _window_side(x, fn: str) -> int | None:
+    if x is None:
+        return None
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Integral, np.integer)):
+        raise TypeError(f"{fn}: window sides must be ints (or None/-1 for unbounded), got {describe(x)}")
+    if x == -1:
+        return None
+    if x < 0:
+        raise ValueError(f"{fn}: window sides must be >= 0, or None/-1 for unbounded, got {int(x)}")
+    return int(x)
+
+
+def check_window(window, fn: str) -> tuple[int | None, int | None]:
+    """(left, right) with None meaning unbounded."""
+    if window is None:
+        return None, None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"{fn}: window must be None or a (left, right) pair, got {describe(window)}")
+    return _window_side(window[0], fn), _window_side(window[1], fn)
+
+
+# ----------------------------------------------------------------------------------------------
+# band: causal + sliding window folded into one rule
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Band:
+    """Key j may be attended by query i iff  pos_i - left <= j <= pos_i + right,  pos_i = i + q_offset.
+
+    An unbounded side is stored as L + S + 1 so kernels can use plain int arithmetic.
+    """
+
+    q_offset: int
+    left: int
+    right: int
+    unbounded: int
+
+    @property
+    def active(self) -> bool:
+        return self.left < self.unbounded or self.right < self.unbounded
+
+    def key_range(self, i0: int, i1: int, S: int) -> tuple[int, int]:
+        """Keys [j0, j1) that rows i0..i1-1 may touch at all (the rest of the row is skipped)."""
+        j0 = max(0, i0 + self.q_offset - self.left)
+        j1 = min(S, i1 - 1 + self.q_offset + self.right + 1)
+        return j0, max(j0, j1)
+
+
+def make_band(L: int, S: int, is_causal: bool, alignment: str, window) -> Band:
+    q_offset = 0 if alignment == "top_left" else S - L
+    unbounded = L + S + 1
+    left, right = window
+    left = unbounded if left is None else min(left, unbounded)
+    right = unbounded if right is None else min(right, unbounded)
+    if is_causal:
+        right = min(right, 0)
+    return Band(q_offset, left, right, unbounded)
+
+
+# ----------------------------------------------------------------------------------------------
+# the canonical problem
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Problem:
+    """One attention call, normalized. Arrays are C-contiguous in the compute dtype.
+
+    q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev). The mask is 4-D (Bm, Hm, Lm, Sm), each
+    dim 1 (broadcast) or full, never expanded. alibi is (Ba, Hq) with Ba in {1, B}.
+    """
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    scale: float
+    mask_kind: int = MASK_NONE
+    mask: np.ndarray | None = None
+    band: Band = None
+    softcap: float = 0.0
+    alibi: np.ndarray | None = None
+    dropout_p: float = 0.0
+    seed: int = 0
+    # how to give results back
+    in_dtype: np.dtype = field(default_factory=lambda: np.dtype(np.float32))
+    out_shape: tuple = ()
+    lse_shape: tuple = ()
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.q.dtype
+
+    @property
+    def shape(self) -> dict:
+        B, Hq, L, E = self.q.shape
+        return dict(B=B, Hq=Hq, Hkv=self.k.shape[1], L=L, S=self.k.shape[2], E=E, Ev=self.v.shape[3])
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.k.shape[1] if self.k.shape[1] else 1
+
+    @property
+    def is_empty(self) -> bool:
+        return self.q.size == 0 or self.v.shape[3] == 0 or self.k.shape[2] == 0
+
+
+def _canonical(x: np.ndarray, batch: int, dtype: np.dtype) -> np.ndarray:
+    """(..., H, N, D) -> C-contiguous (batch, H, N, D) in dtype; copies only when it must."""
+    return np.ascontiguousarray(x, dtype=dtype).reshape((batch,) + x.shape[-3:])
+
+
+def check_qkv(query, key, value, enable_gqa: bool, fn: str):
+    """Validate q/k/v; returns the arrays, batch shape, heads and sizes."""
+    q = as_float_array(query, "query", fn)
+    k = as_float_array(key, "key", fn)
+    v = as_float_array(value, "value", fn)
+    dtype = check_same_dtype(fn, query=q, key=k, value=v)
+    if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
+        raise ValueError(
+            f"{fn}: query, key and value must be at least 2-D (..., L, E), got shapes "
+            f"{q.shape}, {k.shape}, {v.shape}")
+    if not (q.ndim == k.ndim == v.ndim):
+        raise ValueError(
+            f"{fn}: query, key and value must have the same number of dims, got query {q.shape}, "
+            f"key {k.shape}, value {v.shape}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"{fn}: query and key must have the same head dim (last axis), got query {q.shape} "
+            f"and key {k.shape}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"{fn}: key and value must have the same sequence length (axis -2), got key {k.shape} "
+            f"and value {v.shape}")
+    if q.ndim >= 3:
+        if not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
+            raise ValueError(
+                f"{fn}: query, key and value must have the same batch dims, got query {q.shape}, "
+                f"key {k.shape}, value {v.shape}")
+        if k.shape[-3] != v.shape[-3]:
+            raise ValueError(
+                f"{fn}: key and value must have the same number of heads (axis -3), got key "
+                f"{k.shape} and value {v.shape}")
+        Hq, Hkv = q.shape[-3], k.shape[-3]
+        if Hq != Hkv:
+            if not enable_gqa:
+                raise ValueError(
+                    f"{fn}: query has {Hq} heads but key/value have {Hkv} (axis -3); pass "
+                    f"enable_gqa=True for grouped-query attention (query {q.shape}, key {k.shape})")
+            if Hkv == 0 or Hq % Hkv != 0:
+                raise ValueError(
+                    f"{fn}: with enable_gqa the number of query heads must be a multiple of the "
+                    f"key/value heads, got {Hq} query heads and {Hkv} key/value heads")
+        batch_shape = q.shape[:-3]
+    else:
+        Hq = Hkv = 1
+        batch_shape = ()
+    return q, k, v, dtype, batch_shape, Hq, Hkv
+
+
+def check_attn_mask(attn_mask, score_shape: tuple, fn: str, name: str = "attn_mask"):
+    """An ndarray for attn_mask (bool or float) that broadcasts to score_shape."""
+    m = attn_mask if isinstance(attn_mask, np.ndarray) else np.asarray(attn_mask)
+    if m.dtype == np.bool_:
+        pass
+    elif compute_dtype(m.dtype) is None:
+        raise TypeError(
+            f"{fn}: {name} must be a bool mask (True = take part) or a float mask added to the "
+            f"scores, got dtype {m.dtype} (shape {m.shape}); convert integer masks with "
+            f"mask.astype(bool)")
+    if m.ndim > len(score_shape):
+        raise ValueError(
+            f"{fn}: {name} of shape {m.shape} does not broadcast to the score shape {score_shape} "
+            f"(batch..., heads, L, S)")
+    for ms, ss in zip(m.shape[::-1], score_shape[::-1]):
+        if ms not in (1, ss):
+            raise ValueError(
+                f"{fn}: {name} of shape {m.shape} does not broadcast to the score shape "
+                f"{score_shape} (batch..., heads, L, S)")
+    return m
+
+
+def mask_to_4d(m: np.ndarray, batch_shape: tuple, head_axis: bool, B: int, dtype) -> np.ndarray:
+    """A broadcastable mask as a contiguous (Bm, Hm, Lm, Sm) array, each dim 1 or full.
+
+    Only the batch dims can force a copy (when some but not all of them are broadcast); the
+    (L, S) part is never expanded.
+    """
+    nb = len(batch_shape)
+    full_nd = nb + (1 if head_axis else 0) + 2
+    m = m.reshape((1,) * (full_nd - m.ndim) + m.shape)
+    if not head_axis:
+        m = m.reshape(m.shape[:nb] + (1,) + m.shape[nb:])
+    mb = m.shape[:nb]
+    if all(d == 1 for d in mb):
+        Bm = 1
+    else:
+        if mb != tuple(batch_shape):
+            m = np.broadcast_to(m, tuple(batch_shape) + m.shape[nb:])
+        Bm = B
+    m = np.ascontiguousarray(m, dtype=dtype)
+    return m.reshape((Bm,) + m.shape[nb:])
+
+
+def check_alibi(alibi_slopes, batch_shape: tuple, Hq: int, B: int, dtype, fn: str) -> np.ndarray:
+    a = as_float_array(alibi_slopes, "alibi_slopes", fn)
+    if a.shape == (Hq,):
+        a2 = a.reshape(1, Hq)
+    elif a.shape == tuple(batch_shape) + (Hq,) or (a.ndim == 2 and a.shape == (B, Hq)):
+        a2 = a.reshape(B, Hq)
+    else:
+        raise ValueError(
+            f"{fn}: alibi_slopes must have shape (H,) = ({Hq},) or (batch, H) = "
+            f"{tuple(batch_shape) + (Hq,)}, got {a.shape}")
+    if not np.all(np.isfinite(a2)):
+        raise ValueError(f"{fn}: alibi_slopes must be finite")
+    return np.ascontiguousarray(a2, dtype=dtype)
+
+
+def make_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                 enable_gqa=False, *, causal_alignment="top_left", window=None, softcap=None,
+                 alibi_slopes=None, rng=None, fn="scaled_dot_product_attention") -> Problem:
+    """Validate the arguments of scaled_dot_product_attention and build the canonical Problem."""
+    q, k, v, in_dtype, batch_shape, Hq, Hkv = check_qkv(query, key, value, enable_gqa, fn)
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"{fn}: is_causal must be a bool, got {describe(is_causal)}")
+    if not isinstance(enable_gqa, (bool, np.bool_)):
+        raise TypeError(f"{fn}: enable_gqa must be a bool, got {describe(enable_gqa)}")
+    check_alignment(causal_alignment, "causal_alignment", fn)
+    win = check_window(window, fn)
+    cdt = compute_dtype(in_dtype)
+    L, E = q.shape[-2], q.shape[-1]
+    S, Ev = k.shape[-2], v.shape[-1]
+    B = int(np.prod(batch_shape, dtype=np.int64)) if batch_shape else 1
+    head_axis = q.ndim >= 3
+    p_drop = check_dropout(dropout_p, fn)
+
+    problem = Problem(
+        q=_canonical(q if head_axis else q[None], B, cdt),
+        k=_canonical(k if head_axis else k[None], B, cdt),
+        v=_canonical(v if head_axis else v[None], B, cdt),
+        scale=check_scale(scale, E, fn),
+        band=make_band(L, S, bool(is_causal), causal_alignment, win),
+        softcap=check_softcap(softcap, fn),
+        dropout_p=p_drop,
+        seed=dropout_seed(rng, fn) if p_drop > 0.0 else 0,
+        in_dtype=in_dtype,
+        out_shape=q.shape[:-1] + (Ev,),
+        lse_shape=q.shape[:-1],
+    )
+    if attn_mask is not None:
+        score_shape = q.shape[:-1] + (S,)
+        m = check_attn_mask(attn_mask, score_shape, fn)
+        if m.dtype == np.bool_:
+            problem.mask_kind = MASK_BOOL
+            problem.mask = mask_to_4d(m, batch_shape, head_axis, B, np.bool_)
+        else:
+            problem.mask_kind = MASK_FLOAT
+            problem.mask = mask_to_4d(m, batch_shape, head_axis, B, cdt)
+    if alibi_slopes is not None:
+        problem.alibi = check_alibi(alibi_slopes, batch_shape, Hq, B, cdt, fn)
+    return problem
