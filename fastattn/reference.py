@@ -1,0 +1,106 @@
+"""Dense, untiled attention in plain NumPy: the oracle of the tests and the teaching code.
+
+Everything here builds the full (L, S) score matrix and follows the textbook formulas step by
+step, made safe: a row whose keys are all masked gives weights 0 (not NaN, not the uniform
+average the `-1e9` trick gives). It computes in float64 by default; `dtype=np.float32` gives the
+"naive same-precision" computation the tests use to size float32 tolerances.
+
+It is not a fallback backend: it needs O(L * S) memory. The backends must agree with it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _dropout
+from ._inputs import MASK_BOOL, MASK_FLOAT, make_problem
+from .masks import band_mask
+
+
+def softmax(x, axis=-1, mask=None, *, dtype=np.float64):
+    """softmax(x) along axis; entries where mask is False/0 get weight 0; empty rows give 0."""
+    x = np.asarray(x, dtype=dtype)
+    if mask is not None:
+        x = np.where(np.asarray(mask) != 0, x, -np.inf)
+    m = np.max(x, axis=axis, keepdims=True) if x.size else x
+    m = np.where(np.isneginf(m), 0, m)            # an all -inf row: exp(-inf) = 0, no NaN
+    e = np.exp(x - m)
+    total = np.sum(e, axis=axis, keepdims=True)
+    return np.divide(e, total, out=np.zeros_like(e), where=total != 0)
+
+
+def _weighted_sum(w, v):
+    """w @ v where a zero weight never lets a NaN/Inf of v through (0 * NaN would be NaN)."""
+    out = w @ np.where(np.isfinite(v), v, 0)
+    bad = ~np.isfinite(v)
+    if bad.any():
+        terms = np.where((w[..., :, :, None] != 0) & bad[..., None, :, :],
+                         w[..., :, :, None] * v[..., None, :, :], 0)
+        out = out + terms.sum(axis=-2)
+    return out
+
+
+def attention(q, k, v, mask=None, *, scale=None, dtype=np.float64):
+    """(softmax(scale * q k^T, masked) @ v, weights) for (..., L, E), (..., S, E), (..., S, Ev)."""
+    q, k, v = (np.asarray(a, dtype=dtype) for a in (q, k, v))
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ np.swapaxes(k, -1, -2)) * dtype(scale)
+    weights = softmax(scores, mask=mask, dtype=dtype)
+    return _weighted_sum(weights, v), weights
+
+
+def scores_and_keep(p, dtype=np.float64):
+    """The full masked score tensor (B, Hq, L, S) of a Problem, with -inf where a key is excluded."""
+    B, Hq, L, E = p.q.shape
+    S = p.k.shape[2]
+    q = p.q.astype(dtype)
+    k = np.repeat(p.k.astype(dtype), p.group, axis=1)          # GQA: head h reads kv head h // group
+    s = (q @ np.swapaxes(k, -1, -2)) * dtype(p.scale)
+    if p.softcap:
+        c = dtype(p.softcap)
+        s = c * np.tanh(s / c)
+    if p.alibi is not None:
+        pos = np.arange(L)[:, None] + p.band.q_offset
+        dist = np.abs(pos - np.arange(S)[None, :]).astype(dtype)
+        s = s - p.alibi.astype(dtype)[:, :, None, None] * dist
+    if p.mask_kind == MASK_FLOAT:
+        m = p.mask.astype(dtype)
+        s = np.where(np.isneginf(m), -np.inf, s + m)
+    elif p.mask_kind == MASK_BOOL:
+        s = np.where(p.mask, s, -np.inf)
+    return np.where(band_mask(L, S, p.band), s, -np.inf)
+
+
+def forward(p, dtype=np.float64, return_weights=False):
+    """Dense forward of a Problem: (out (B,Hq,L,Ev), lse (B,Hq,L)[, weights before dropout])."""
+    B, Hq, L, _ = p.q.shape
+    S = p.k.shape[2]
+    s = scores_and_keep(p, dtype)
+    m = s.max(axis=-1) if S else np.full((B, Hq, L), -np.inf, dtype)
+    m_safe = np.where(np.isneginf(m), 0, m)
+    e = np.exp(s - m_safe[..., None])
+    total = e.sum(axis=-1)
+    weights = np.divide(e, total[..., None], out=np.zeros_like(e), where=total[..., None] != 0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(total != 0, m_safe + np.log(total), -np.inf).astype(dtype)
+    dropped = weights
+    if p.dropout_p > 0:
+        bh = np.arange(B * Hq).reshape(B, Hq, 1, 1)
+        keep = _dropout.keep_mask(p.seed, p.dropout_p, bh, np.arange(L)[:, None], np.arange(S)[None, :])
+        dropped = weights * keep / dtype(1.0 - p.dropout_p)
+    v = np.repeat(p.v.astype(dtype), p.group, axis=1)
+    out = _weighted_sum(dropped, v)
+    return (out, lse, weights) if return_weights else (out, lse)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                 scale=None, enable_gqa=False, *, causal_alignment="top_left",
+                                 window=None, softcap=None, alibi_slopes=None, return_lse=False,
+                                 rng=None, dtype=np.float64):
+    """Same arguments and semantics as fastattn.scaled_dot_product_attention, computed densely in
+    `dtype` and returned in `dtype` (not cast back to the input dtype)."""
+    p = make_problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                     causal_alignment=causal_alignment, window=window, softcap=softcap,
+                     alibi_slopes=alibi_slopes, rng=rng, fn="reference.scaled_dot_product_attention")
+    out, lse = forward(p, dtype)
+    out = out.reshape(p.out_shape)
+    return (out, lse.reshape(p.lse_shape)) if return_lse else out
