@@ -1,0 +1,163 @@
+"""Backend choice: precedence, fallback, explicit failures, FASTATTN_REQUIRE, info."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import fastattn as fa
+from fastattn import _backends as B
+from fastattn._backends._base import Backend
+from fastattn._backends.numpy_ import NumpyBackend
+
+REAL_NUMPY = NumpyBackend()
+
+
+class Recorder(Backend):
+    """Stands in for a backend: serves through the NumPy code and records that it was used."""
+
+    ops = ("forward", "softmax")
+
+    def __init__(self, name, fail=None):
+        super().__init__()
+        self.name = name
+        self.fail = fail
+        self.calls = []
+
+    def _load(self):
+        if self.fail:
+            raise ImportError(self.fail)
+
+    def forward(self, p):
+        self.calls.append("forward")
+        return REAL_NUMPY.forward(p)
+
+    def softmax_rows(self, x, keep):
+        self.calls.append("softmax")
+        return REAL_NUMPY.softmax_rows(x, keep)
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    """cython and numba replaced by recorders; numba 'fails to import'."""
+    cy, nb = Recorder("cython"), Recorder("numba", fail="No module named 'numba' (simulated)")
+    monkeypatch.setitem(B.registry, "cython", cy)
+    monkeypatch.setitem(B.registry, "numba", nb)
+    monkeypatch.delenv("FASTATTN_BACKEND", raising=False)
+    monkeypatch.delenv("FASTATTN_REQUIRE", raising=False)
+    return cy, nb
+
+
+def small():
+    x = np.random.default_rng(0).standard_normal((1, 2, 4, 8)).astype(np.float32)
+    return x, x, x
+
+
+def test_auto_takes_first_available_and_falls_back(fakes):
+    cy, nb = fakes
+    fa.scaled_dot_product_attention(*small())
+    assert cy.calls == ["forward"]
+    assert fa.backends()["numba"].available is False
+    assert "simulated" in fa.backends()["numba"].reason
+
+
+def test_explicit_unavailable_backend_raises_with_reason(fakes):
+    with pytest.raises(fa.BackendUnavailableError, match="numba.*simulated"):
+        fa.scaled_dot_product_attention(*small(), backend="numba")
+
+
+def test_auto_skips_a_failed_import(monkeypatch, fakes):
+    cy, nb = fakes
+    monkeypatch.setitem(B.registry, "cython", Recorder("cython", fail="broken wheel (simulated)"))
+    out = fa.scaled_dot_product_attention(*small())          # falls back to numpy, no error
+    assert out.shape == (1, 2, 4, 8)
+
+
+def test_precedence(monkeypatch, fakes):
+    cy, nb = fakes
+    numpy_rec = Recorder("numpy")
+    monkeypatch.setitem(B.registry, "numpy", numpy_rec)
+    monkeypatch.setattr(B.registry["cython"], "forward", lambda p: (_ for _ in ()).throw(AssertionError("cython used")))
+
+    monkeypatch.setenv("FASTATTN_BACKEND", "numpy")
+    assert fa.get_backend() == "numpy"
+    fa.scaled_dot_product_attention(*small())
+    assert numpy_rec.calls == ["forward"]
+
+    fa.set_backend("cython")                                 # set_backend beats the env
+    assert fa.get_backend() == "cython"
+    with fa.use_backend("numpy"):                            # use_backend beats set_backend
+        assert fa.get_backend() == "numpy"
+        fa.scaled_dot_product_attention(*small())
+        with pytest.raises(fa.BackendUnavailableError):      # the argument beats everything
+            fa.scaled_dot_product_attention(*small(), backend="numba")
+    assert numpy_rec.calls == ["forward", "forward"]
+    assert fa.get_backend() == "cython"
+    fa.set_backend(None)
+    assert fa.get_backend() == "numpy"
+
+
+def test_use_backend_does_not_leak_across_threads(fakes):
+    seen = {}
+    with fa.use_backend("numpy"):
+        t = threading.Thread(target=lambda: seen.setdefault("other", fa.get_backend()))
+        t.start()
+        t.join()
+        assert fa.get_backend() == "numpy"
+    assert seen["other"] == "auto"
+
+
+def test_unknown_names(monkeypatch):
+    with pytest.raises(ValueError, match="unknown backend 'gpu'"):
+        fa.set_backend("gpu")
+    with pytest.raises(ValueError, match="unknown backend"):
+        with fa.use_backend("fast"):
+            pass
+    monkeypatch.setenv("FASTATTN_BACKEND", "tpu")
+    with pytest.raises(ValueError, match="FASTATTN_BACKEND.*tpu"):
+        fa.scaled_dot_product_attention(*small())
+
+
+def test_require_turns_fallback_into_error(monkeypatch, fakes):
+    monkeypatch.setenv("FASTATTN_REQUIRE", "cython,numba")
+    with pytest.raises(fa.BackendUnavailableError, match="FASTATTN_REQUIRE lists 'numba'.*simulated"):
+        fa.scaled_dot_product_attention(*small())
+    monkeypatch.setenv("FASTATTN_REQUIRE", "cython")
+    fa.scaled_dot_product_attention(*small())
+
+
+def test_softmax_dispatches_too(fakes):
+    cy, _ = fakes
+    fa.softmax(np.ones((2, 3)))
+    assert cy.calls == ["softmax"]
+
+
+def _run(code, **env):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("FASTATTN_")}
+    full_env.update(env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env,
+                          timeout=120)
+
+
+def test_info_cli():
+    res = subprocess.run([sys.executable, "-m", "fastattn", "info"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    for name in ("cython", "numba", "numpy"):
+        assert f"  {name}: " in res.stdout
+    assert "threads:" in res.stdout
+
+
+def test_import_does_not_import_numba():
+    res = _run("import sys, fastattn; print('numba' in sys.modules)")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False"
+
+
+def test_num_threads_env_is_validated():
+    res = _run("import fastattn._config as c; c.num_threads()", FASTATTN_NUM_THREADS="zero")
+    assert res.returncode != 0 and "FASTATTN_NUM_THREADS must be a positive integer" in res.stderr

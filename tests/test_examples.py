@@ -1,0 +1,43 @@
+"""The examples run and show what they claim (they are the teaching code)."""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import numpy as np
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+def load(name):
+    path = EXAMPLES / f"{name}.py"
+    if not path.exists():
+        pytest.skip(f"{path} not found (tests run without the examples directory)")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_induction_heads_seed_values(capsys):
+    mod = load("induction_heads")
+    w = mod.second_cat_weights()
+    # head 1: 0.47 on the two "cat" positions 1 and 8; head 2: 0.88 on position 7
+    np.testing.assert_allclose(w[0, [1, 8]], 0.47, atol=0.005)
+    assert np.argsort(w[0])[-2:].tolist() in ([1, 8], [8, 1])
+    np.testing.assert_allclose(w[1, 7], 0.88, atol=0.005)
+    assert np.argmax(w[1]) == 7
+    np.testing.assert_allclose(w.sum(-1), 1, rtol=1e-12)
+    mod.main()
+    assert '"cat"' in capsys.readouterr().out
+
+
+def test_scaling_keeps_entropy_unscaled_collapses():
+    mod = load("scaling_entropy")
+    rows = mod.table()
+    raw = [r[1] for r in rows]
+    scaled = [r[2] for r in rows]
+    assert all(a > b for a, b in zip(raw, raw[1:]))           # collapses as d_k grows
+    assert max(scaled) - min(scaled) < 0.1                    # stays put with 1/sqrt(d_k)
+    assert all(s < np.log(16) for s in scaled) and raw[-1] < 0.5
