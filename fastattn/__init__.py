@@ -6,7 +6,7 @@
 See README.md for the semantics; `python -m fastattn info` shows which backends are available.
 """
 from .api import (attention, merge_attention, merge_heads, multihead, scaled_dot_product_attention,
-                  softmax, split_heads)
+                  scaled_dot_product_attention_backward, softmax, split_heads)
 from ._backends import (BackendInfo, BackendUnavailableError, backends, get_backend, set_backend,
                        use_backend)
 from .masks import causal_mask, padding_mask, sliding_window_mask
@@ -14,7 +14,7 @@ from .masks import causal_mask, padding_mask, sliding_window_mask
 __version__ = "0.1.0"
 
 __all__ = [
-    "scaled_dot_product_attention", "merge_attention", "softmax", "attention", "multihead",
+    "scaled_dot_product_attention", "scaled_dot_product_attention_backward", "merge_attention", "softmax", "attention", "multihead",
     "split_heads", "merge_heads", "causal_mask", "padding_mask", "sliding_window_mask",
     "backends", "get_backend", "set_backend", "use_backend", "BackendInfo",
     "BackendUnavailableError", "__version__",

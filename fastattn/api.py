@@ -15,7 +15,7 @@ from ._backends.numpy_ import safe_matmul
 from ._inputs import (as_float_array, check_same_dtype, check_scale, compute_dtype, describe,
                       lse_dtype, make_problem)
 
-__all__ = ["scaled_dot_product_attention", "merge_attention", "softmax", "attention", "multihead",
+__all__ = ["scaled_dot_product_attention", "scaled_dot_product_attention_backward", "merge_attention", "softmax", "attention", "multihead",
            "split_heads", "merge_heads"]
 
 
@@ -70,6 +70,48 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if return_lse:
         return out, lse.reshape(p.lse_shape)
     return out
+
+
+def _saved(x, name: str, shape: tuple, dtype, fn: str) -> np.ndarray:
+    """A saved forward tensor (grad_out, out, lse) checked against its expected shape."""
+    arr = as_float_array(x, name, fn)
+    if arr.shape != tuple(shape):
+        raise ValueError(f"{fn}: {name} must have shape {tuple(shape)}, got {arr.shape}")
+    return np.ascontiguousarray(arr, dtype=dtype)
+
+
+def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse, attn_mask=None,
+                                          dropout_p=0.0, is_causal=False, scale=None,
+                                          enable_gqa=False, *, causal_alignment="top_left",
+                                          window=None, softcap=None, alibi_slopes=None, rng=None,
+                                          backend=None):
+    """Gradients (dq, dk, dv) of scaled_dot_product_attention, FlashAttention-2 style.
+
+    grad_out : upstream gradient, shaped like the forward's output (..., Hq, L, Ev).
+    out, lse : the forward's output and log-sum-exp (return_lse=True); the attention weights are
+        recomputed from them tile by tile, so memory stays O(L) — nothing of size L x S is kept.
+    Every other argument must be what the forward was called with. For dropout, pass the same
+    int seed as `rng` (a Generator would draw a new seed; pass one in the same state instead):
+    the kept weights are regenerated from the hash, not stored.
+
+    Returns dq, dk, dv shaped and typed like query, key, value. Under GQA, dk/dv are summed
+    over the query heads of each group. Rows whose keys were all masked get zero gradients.
+    """
+    fn = "scaled_dot_product_attention_backward"
+    p = make_problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                     causal_alignment=causal_alignment, window=window, softcap=softcap,
+                     alibi_slopes=alibi_slopes, rng=rng, fn=fn)
+    B, Hq, L, _ = p.q.shape
+    Ev = p.v.shape[3]
+    dout = _saved(grad_out, "grad_out", p.out_shape, p.dtype, fn).reshape(B, Hq, L, Ev)
+    fwd_out = _saved(out, "out", p.out_shape, p.dtype, fn).reshape(B, Hq, L, Ev)
+    fwd_lse = _saved(lse, "lse", p.lse_shape, lse_dtype(p.dtype), fn).reshape(B, Hq, L)
+    be = _backends.resolve(p, "backward", backend)
+    if p.is_empty:
+        be = _numpy()
+    dq, dk, dv = be.backward(p, dout, fwd_out, fwd_lse)
+    shapes = (np.shape(query), np.shape(key), np.shape(value))
+    return tuple(g.astype(p.in_dtype, copy=False).reshape(s) for g, s in zip((dq, dk, dv), shapes))
 
 
 def merge_attention(outs, lses):

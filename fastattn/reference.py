@@ -104,3 +104,54 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     out, lse = forward(p, dtype)
     out = out.reshape(p.out_shape)
     return (out, lse.reshape(p.lse_shape)) if return_lse else out
+
+
+def backward(p, grad_out, dtype=np.float64):
+    """Closed-form gradients (dq, dk, dv) of forward(p) for the upstream gradient grad_out.
+
+    Written from the definitions, densely: with s the final scores, P = softmax(s), Pd = P with
+    dropout applied and O = Pd V,
+        dV = Pd^T dO                      dP = (dO V^T) * keep / (1 - p)
+        dS = P * (dP - sum_j P dP)        (softmax's Jacobian; 0 where P = 0)
+        dR = dS * (1 - tanh(r / cap)^2)   (softcap's derivative; r = scale * q.k)
+        dQ = scale * dR K                 dK = scale * dR^T Q
+    ALiBi and masks are additive constants (derivative 1). GQA sums dK/dV over each group.
+    """
+    B, Hq, L, _ = p.q.shape
+    Hkv, S = p.k.shape[1], p.k.shape[2]
+    G = p.group
+    q = p.q.astype(dtype)
+    k = np.repeat(p.k.astype(dtype), G, axis=1)
+    v = np.repeat(p.v.astype(dtype), G, axis=1)
+    dO = np.asarray(grad_out, dtype).reshape(B, Hq, L, -1)
+    _, _, P = forward(p, dtype, return_weights=True)
+    keep_scale = np.ones_like(P)
+    if p.dropout_p > 0:
+        bh = np.arange(B * Hq).reshape(B, Hq, 1, 1)
+        keep = _dropout.keep_mask(p.seed, p.dropout_p, bh, np.arange(L)[:, None], np.arange(S)[None, :])
+        keep_scale = keep / dtype(1.0 - p.dropout_p)
+    Pd = P * keep_scale
+    dV = np.swapaxes(Pd, -1, -2) @ dO
+    with np.errstate(invalid="ignore"):                  # inf/NaN in masked keys: zeroed below
+        dP = np.where(P != 0, (dO @ np.swapaxes(v, -1, -2)) * keep_scale, 0)
+        D = np.sum(P * dP, axis=-1, keepdims=True)
+        dS = P * (dP - D)
+        if p.softcap:
+            t = np.tanh((q @ np.swapaxes(k, -1, -2)) * dtype(p.scale) / dtype(p.softcap))
+            dS = np.where(P != 0, dS * (1 - t * t), 0)
+        dQ = _weighted_sum(dS, k) * dtype(p.scale)
+        dK = (np.swapaxes(dS, -1, -2) @ q) * dtype(p.scale)
+    group_sum = lambda x: x.reshape(B, Hkv, G, S, x.shape[-1]).sum(axis=2)
+    return dQ, group_sum(dK), group_sum(dV)
+
+
+def scaled_dot_product_attention_backward(grad_out, query, key, value, attn_mask=None, dropout_p=0.0,
+                                          is_causal=False, scale=None, enable_gqa=False, *,
+                                          causal_alignment="top_left", window=None, softcap=None,
+                                          alibi_slopes=None, rng=None, dtype=np.float64):
+    """(dq, dk, dv) of reference.scaled_dot_product_attention, densely, in `dtype`."""
+    p = make_problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                     causal_alignment=causal_alignment, window=window, softcap=softcap,
+                     alibi_slopes=alibi_slopes, rng=rng, fn="reference.scaled_dot_product_attention_backward")
+    dq, dk, dv = backward(p, grad_out, dtype)
+    return (dq.reshape(np.shape(query)), dk.reshape(np.shape(key)), dv.reshape(np.shape(value)))

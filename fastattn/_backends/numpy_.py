@@ -51,13 +51,18 @@ def safe_matmul(w: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 
 def _apply_scores_pipeline(p, s, b, i0, i1, j0, j1):
-    """Scale, softcap, ALiBi, masks and band on a score tile s of shape (Hq, nq, nk), in place."""
+    """Scale, softcap, ALiBi, masks and band on a score tile s of shape (Hq, nq, nk), in place.
+
+    Returns 1 - tanh^2 of the softcap (its derivative, for the backward) or None without softcap.
+    """
     band = p.band
     s *= p.dtype.type(p.scale)
+    softcap_grad = None
     if p.softcap:
         cap = p.dtype.type(p.softcap)
         np.divide(s, cap, out=s)
         np.tanh(s, out=s)
+        softcap_grad = 1 - s * s
         s *= cap
     pos = np.arange(i0, i1)[:, None] + band.q_offset      # query positions (nq, 1)
     keys = np.arange(j0, j1)[None, :]                      # (1, nk)
@@ -80,9 +85,19 @@ def _apply_scores_pipeline(p, s, b, i0, i1, j0, j1):
     if not inside:
         allowed = (keys >= pos - band.left) & (keys <= pos + band.right)
         np.copyto(s, -np.inf, where=~allowed)
+    return softcap_grad
+
+
+def _dropout_scale(p, b, Hq, i0, i1, j0, j1):
+    """keep / (1 - p) for a tile (Hq, nq, nk): the hash regenerates the forward's kept set."""
+    bh = (b * Hq + np.arange(Hq))[:, None, None]
+    keep = _dropout.keep_mask(p.seed, p.dropout_p, bh, np.arange(i0, i1)[:, None], np.arange(j0, j1)[None, :])
+    return keep * p.dtype.type(1.0 / (1.0 - p.dropout_p))
 
 
 class NumpyBackend(Backend):
+    """Always available; the tiled algorithms in NumPy (BLAS matmuls on blocks)."""
+
     name = "numpy"
     ops = ("forward", "backward", "softmax")
 
@@ -117,7 +132,6 @@ class NumpyBackend(Backend):
         G = p.group
         dt = p.dtype
         bq, bk = _blocks(p)
-        scale_drop = dt.type(1.0 / (1.0 - p.dropout_p)) if p.dropout_p > 0 else None
         for b in range(B):
             qb = p.q[b].reshape(Hkv, G, L, E)
             kb, vb = p.k[b], p.v[b]
@@ -144,12 +158,8 @@ class NumpyBackend(Backend):
                     alpha = np.exp(m - m_safe)                 # 0 while the row had no key yet
                     l *= alpha
                     l += s3.sum(axis=-1)
-                    if scale_drop is not None:
-                        bh = (b * Hq + np.arange(Hq))[:, None, None]
-                        keep = _dropout.keep_mask(p.seed, p.dropout_p, bh,
-                                                  np.arange(i0, i1)[:, None], np.arange(j0, j1)[None, :])
-                        s3 *= keep
-                        s3 *= scale_drop
+                    if p.dropout_p > 0:
+                        s3 *= _dropout_scale(p, b, Hq, i0, i1, j0, j1)
                     acc *= alpha.reshape(Hkv, G * nq, 1)
                     acc += safe_matmul(s, vb[:, j0:j1])
                     m = m_new
@@ -158,3 +168,71 @@ class NumpyBackend(Backend):
                 np.divide(res, l4, out=out[b, :, i0:i1], where=l4 != 0)
                 with np.errstate(divide="ignore"):
                     lse[b, :, i0:i1] = np.where(l != 0, m + np.log(l), -np.inf)
+
+    # ------------------------------------------------------------------------------------------
+    def backward(self, p, dout, out, lse):
+        """FlashAttention-2's backward on NumPy tiles: P is recomputed from the saved lse.
+
+        D = rowsum(dO * O); per tile: P = exp(s - lse), dV += Pd^T dO, dP = dO V^T (dropout
+        applied), dS = P (dP - D) (times softcap's derivative), dQ += scale dS K,
+        dK += scale dS^T Q. Accumulators are in the compute dtype (float32 or float64).
+        """
+        dq = np.zeros_like(p.q)
+        dk = np.zeros_like(p.k)
+        dv = np.zeros_like(p.v)
+        B, Hq, L, _ = p.q.shape
+        if B * Hq * L and p.k.shape[2]:
+            with np.errstate(invalid="ignore"):   # inf * 0 from masked keys; zeroed per tile
+                self._backward_tiles(p, dout, out, lse, dq, dk, dv)
+        return dq, dk, dv
+
+    def _backward_tiles(self, p, dout, out, lse, dq, dk, dv):
+        B, Hq, L, E = p.q.shape
+        Hkv, S, Ev = p.k.shape[1], p.k.shape[2], p.v.shape[3]
+        G = p.group
+        dt = p.dtype
+        bq, bk = _blocks(p)
+        delta = np.einsum("bhld,bhld->bhl", dout, out)                    # D = rowsum(dO * O)
+        # rows with no key have lse = -inf: use +inf so exp(s - lse) = 0 there, not NaN
+        lse_safe = np.where(np.isneginf(lse), np.inf, lse).astype(dt)
+        scale = dt.type(p.scale)
+        for b in range(B):
+            qb = p.q[b].reshape(Hkv, G, L, E)
+            dob = dout[b].reshape(Hkv, G, L, Ev)
+            kb, vb = p.k[b], p.v[b]
+            for i0 in range(0, L, bq):
+                i1 = min(L, i0 + bq)
+                nq = i1 - i0
+                j_lo, j_hi = p.band.key_range(i0, i1, S)
+                if j_lo >= j_hi:
+                    continue
+                qt = np.ascontiguousarray(qb[:, :, i0:i1]).reshape(Hkv, G * nq, E)
+                dot = np.ascontiguousarray(dob[:, :, i0:i1]).reshape(Hkv, G * nq, Ev)
+                lse_t = lse_safe[b, :, i0:i1, None]                         # (Hq, nq, 1)
+                delta_t = delta[b, :, i0:i1, None]
+                dq_acc = np.zeros((Hkv, G * nq, E), dt)
+                for j0 in range(j_lo, j_hi, bk):
+                    j1 = min(j_hi, j0 + bk)
+                    nk = j1 - j0
+                    s = np.matmul(qt, kb[:, j0:j1].transpose(0, 2, 1))
+                    s3 = s.reshape(Hq, nq, nk)
+                    softcap_grad = _apply_scores_pipeline(p, s3, b, i0, i1, j0, j1)
+                    s3 -= lse_t
+                    P = np.exp(s3, out=s3)                                  # (Hq, nq, nk)
+                    drop = _dropout_scale(p, b, Hq, i0, i1, j0, j1) if p.dropout_p > 0 else None
+                    Pd = P * drop if drop is not None else P
+                    dv[b, :, j0:j1] += np.matmul(Pd.reshape(Hkv, G * nq, nk).transpose(0, 2, 1), dot)
+                    dP = np.matmul(dot, vb[:, j0:j1].transpose(0, 2, 1)).reshape(Hq, nq, nk)
+                    if drop is not None:
+                        dP *= drop
+                    dP -= delta_t
+                    dS = np.multiply(P, dP, out=dP)
+                    if softcap_grad is not None:
+                        dS *= softcap_grad
+                    if not (np.isfinite(kb[:, j0:j1]).all() and np.isfinite(vb[:, j0:j1]).all()):
+                        np.copyto(dS, 0, where=(P == 0))                   # masked keys: no NaN
+                    dS *= scale
+                    dS3 = dS.reshape(Hkv, G * nq, nk)
+                    dq_acc += safe_matmul(dS3, kb[:, j0:j1])
+                    dk[b, :, j0:j1] += np.matmul(dS3.transpose(0, 2, 1), qt)
+                dq[b, :, i0:i1] = dq_acc.reshape(Hq, nq, E)
