@@ -41,3 +41,10 @@ def test_scaling_keeps_entropy_unscaled_collapses():
     assert all(a > b for a, b in zip(raw, raw[1:]))           # collapses as d_k grows
     assert max(scaled) - min(scaled) < 0.1                    # stays put with 1/sqrt(d_k)
     assert all(s < np.log(16) for s in scaled) and raw[-1] < 0.5
+
+
+def test_training_with_fastattn_backward_lowers_the_loss():
+    mod = load("train_copy")
+    hist = mod.train(steps=120, verbose=False)
+    assert abs(hist[0] - np.log(mod.VOCAB)) < 0.3            # starts at chance
+    assert np.mean(hist[-10:]) < 0.2 * hist[0]               # and learns the copy
