@@ -1,130 +1,111 @@
-"""Command line of the benchmark: python -m fastattn.bench [--cases ...] [--impls ...]."""
+"""python -m fastattn.bench [--preset quick|full|smoke] [options]
+
+fastattn's backends against torch's CPU SDPA, jax.nn.dot_product_attention and the seed-style
+NumPy code, each measurement in its own process with the same thread count, interleaved, with
+the machine's own sgemm rate and memory bandwidth measured in the same run.
+
+Writes results.json, results.md and PNG plots to --out (default: bench/out for quick and smoke,
+bench/results for full) and prints the summary table.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
 import time
 
-from .impls import available_impls, seed_bytes
-
-CASES = {
-    # name: shape (B, Hq, Hkv, L, S, D) and causal
-    "fwd-2048-d64": dict(B=1, Hq=8, Hkv=8, L=2048, S=2048, D=64, causal=False),
-    "fwd-2048-d64-causal": dict(B=1, Hq=8, Hkv=8, L=2048, S=2048, D=64, causal=True),
-    "fwd-2048-d128": dict(B=1, Hq=8, Hkv=8, L=2048, S=2048, D=128, causal=False),
-    "fwd-256-b4": dict(B=4, Hq=8, Hkv=8, L=256, S=256, D=64, causal=False),
-    "decode-16k-gqa": dict(B=1, Hq=32, Hkv=8, L=1, S=16384, D=128, causal=False),
-    "long-32k-causal": dict(B=1, Hq=4, Hkv=4, L=32768, S=32768, D=64, causal=True),
-    "tiny": dict(B=1, Hq=2, Hkv=2, L=64, S=64, D=32, causal=False),
-}
-SEED_MEMORY_LIMIT = 6 << 30      # the seed-style code needs O(L*S); don't run it past this
+from .cases import PRESETS
+from .impls import implementations
+from .machine import describe, load_average
+from .plots import write_plots
+from .progress import Progress
+from .report import SUMMARY_NOTE, markdown, summary_table
+from .runner import Runner
 
 
-def flops(case: dict) -> float:
-    f = 4.0 * case["B"] * case["Hq"] * case["L"] * case["S"] * case["D"]
-    return f / 2 if case.get("causal") and case["L"] > 1 else f
+def parse_args(argv):
+    from fastattn import _config
 
-
-def kv_bytes(case: dict) -> float:
-    return 2.0 * 4 * case["B"] * case["Hkv"] * case["S"] * case["D"]
-
-
-def run_worker(impl: str, case: dict, threads: int, repeats: int, timeout: float) -> dict:
-    env = dict(os.environ)
-    env.update(FASTATTN_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
-               OPENBLAS_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    spec = json.dumps(dict(impl=impl, case=case, threads=threads, repeats=repeats))
-    try:
-        res = subprocess.run([sys.executable, "-m", "fastattn.bench.worker", spec], env=env,
-                             capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"impl": impl, "error": f"timed out after {timeout:.0f} s"}
-    if res.returncode != 0:
-        tail = (res.stderr.strip().splitlines() or ["?"])[-1]
-        kind = "out of memory" if "MemoryError" in res.stderr or res.returncode == -9 else "failed"
-        return {"impl": impl, "error": f"{kind}: {tail[:200]}"}
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
-def measure(case_name: str, impls: list[str], threads: int, rounds: int, repeats: int,
-            timeout: float, log=print) -> dict:
-    case = CASES[case_name]
-    rows = {impl: {"rounds": []} for impl in impls}
-    for r in range(rounds):
-        order = impls[r % len(impls):] + impls[:r % len(impls)]      # rotate: no fixed first slot
-        for impl in order:
-            if impl == "seed-numpy" and seed_bytes(case) > SEED_MEMORY_LIMIT:
-                rows[impl]["error"] = f"skipped: needs ~{seed_bytes(case) / 2**30:.0f} GiB (O(L*S))"
-                continue
-            if "error" in rows[impl]:
-                continue
-            res = run_worker(impl, case, threads, repeats, timeout)
-            if "error" in res:
-                rows[impl]["error"] = res["error"]
-                log(f"  {case_name} {impl}: {res['error']}")
-                continue
-            rows[impl]["rounds"].append(res)
-    summary = {}
-    torch_rounds = rows.get("torch", {}).get("rounds", [])
-    for impl, row in rows.items():
-        if not row["rounds"]:
-            summary[impl] = {"error": row.get("error", "no result")}
-            continue
-        medians = [statistics.median(r["times_s"]) for r in row["rounds"]]
-        t = statistics.median(medians)
-        entry = {"time_ms": t * 1e3, "gflops": flops(case) / t / 1e9,
-                 "gbytes_per_s": kv_bytes(case) / t / 1e9,
-                 "extra_mb": statistics.median([r.get("extra_mb", float("nan")) for r in row["rounds"]]),
-                 "first_call_s": row["rounds"][0]["first_call_s"]}
-        if torch_rounds and len(torch_rounds) == len(row["rounds"]):
-            ratios = [statistics.median(tr["times_s"]) / m for tr, m in zip(torch_rounds, medians)]
-            entry["speedup_vs_torch"] = statistics.median(ratios)
-        summary[impl] = entry
-    return {"case": case_name, "shape": case, "results": summary}
-
-
-def table(records: list[dict]) -> str:
-    lines = ["| case | implementation | ms | GF/s | GB/s (K+V) | × torch | extra MB |",
-             "|---|---|---:|---:|---:|---:|---:|"]
-    for rec in records:
-        for impl, e in rec["results"].items():
-            if "error" in e:
-                lines.append(f"| {rec['case']} | {impl} | {e['error']} | | | | |")
-                continue
-            vs = f"{e['speedup_vs_torch']:.2f}" if "speedup_vs_torch" in e else ""
-            lines.append(f"| {rec['case']} | {impl} | {e['time_ms']:.2f} | {e['gflops']:.1f} | "
-                         f"{e['gbytes_per_s']:.2f} | {vs} | {e['extra_mb']:.0f} |")
-    return "\n".join(lines)
+    ap = argparse.ArgumentParser(prog="python -m fastattn.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="quick",
+                    help="which cases and how many rounds (default: quick, under 2 minutes)")
+    ap.add_argument("--sweeps", nargs="+", metavar="TEXT",
+                    help="only sweeps whose name contains one of these, e.g. decode 'fwd d=64'")
+    ap.add_argument("--impls", nargs="+", help="implementations to run (default: every one "
+                    "available; names as in the results, e.g. fastattn-numpy torch)")
+    ap.add_argument("--threads", type=int, default=_config.num_threads(),
+                    help="threads for every implementation (default: the usable CPUs)")
+    ap.add_argument("--rounds", type=int, help="interleaved rounds (default: the preset's)")
+    ap.add_argument("--min-time", type=float, help="seconds of timed calls per process")
+    ap.add_argument("--timeout", type=float, help="seconds per process before it is recorded "
+                    "as timed out")
+    ap.add_argument("--mem-limit-gb", type=float, default=None,
+                    help="stop a run whose RSS passes this (default: half the machine's memory)")
+    ap.add_argument("--seed-limit-gb", type=float, default=4.0,
+                    help="skip the seed-style code where its dense scores would need more")
+    ap.add_argument("--out", help="output directory (default: the preset's)")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--readme", help="also rewrite this README's benchmark section")
+    return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fastattn.bench", description=__doc__)
-    ap.add_argument("--cases", nargs="+", default=["fwd-2048-d64", "fwd-2048-d64-causal", "tiny"],
-                    choices=sorted(CASES), help="cases to run")
-    ap.add_argument("--impls", nargs="+", default=None, help="default: every available one")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (one process each)")
-    ap.add_argument("--repeats", type=int, default=5, help="timed calls per process")
-    ap.add_argument("--timeout", type=float, default=600.0)
-    ap.add_argument("--json", default=None, help="write the results here")
-    args = ap.parse_args(argv)
-    impls = args.impls or available_impls()
-    records = []
-    for name in args.cases:
-        print(f"# {name} {CASES[name]}", flush=True)
-        records.append(measure(name, impls, args.threads, args.rounds, args.repeats, args.timeout))
-    print(table(records))
-    if args.json:
-        meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.machine(),
-                "processor": platform.processor(), "python": platform.python_version(),
-                "threads": args.threads, "impls": impls}
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "records": records}, f, indent=1)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    preset = PRESETS[args.preset]
+    case_list = [c for c in preset.cases
+                 if not args.sweeps or any(s in c.sweep for s in args.sweeps)]
+    found = implementations()
+    impls = args.impls or [name for name, why in found.items() if not why]
+    unknown = [i for i in impls if i not in found]
+    if unknown:
+        print(f"unknown implementations {unknown}; known: {list(found)}", file=sys.stderr)
+        return 2
+    out_dir = args.out or preset.out_dir
+    os.makedirs(out_dir, exist_ok=True)
+
+    meta = describe(args.threads, argv)
+    meta.update(preset=preset.name, impls=impls, implementations=found)
+    total_mem = (meta["memory_gib"] or 16) * 2**30
+    mem_limit = (args.mem_limit_gb * 2**30) if args.mem_limit_gb else total_mem / 2
+    runner = Runner(impls, args.threads, args.rounds or preset.rounds,
+                    preset.min_time if args.min_time is None else args.min_time,
+                    preset.max_repeats, args.timeout or preset.timeout, mem_limit,
+                    args.seed_limit_gb * 2**30, small_probes=preset.name == "smoke",
+                    probe_rounds=None if args.rounds else preset.probe_rounds)
+    meta.update(rounds=runner.rounds, probe_rounds=runner.probe_rounds,
+                min_time_s=runner.min_time, timeout_s=runner.timeout,
+                mem_limit_gib=round(mem_limit / 2**30, 1))
+    print(f"fastattn bench, preset {preset.name}: {len(case_list)} cases x {len(impls)} "
+          f"implementations x {runner.rounds} rounds, {args.threads} threads -> {out_dir}",
+          file=sys.stderr)
+    runner.progress = Progress(runner.steps(case_list))
+    start = time.monotonic()
+    probes = runner.run_probes()
+    records = [runner.run_case(c, i, probes) for i, c in enumerate(case_list)]
+    runner.progress.close()
+    meta.update(elapsed_s=round(time.monotonic() - start, 1), load_average_end=load_average())
+    data = {"meta": meta, "probes": probes, "records": records}
+
+    json_path = os.path.join(out_dir, "results.json")
+    with open(json_path, "w") as f:
+        json.dump(data, f, indent=1)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(markdown(data))
+    if args.no_plots:
+        written, note = [], "plots skipped: --no-plots"
+    else:
+        written, note = write_plots(data, out_dir)
+    if args.readme:
+        from .report import update_readme
+        update_readme(args.readme, json_path)
+
+    print(SUMMARY_NOTE + "\n")
+    print(summary_table(data) + "\n")
+    print(f"wrote {json_path}, results.md" + "".join(f", {os.path.basename(p)}" for p in written)
+          + f" in {meta['elapsed_s'] / 60:.1f} min" + (f"; {note}" if note else ""))
     return 0
 
 

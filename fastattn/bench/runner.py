@@ -1,0 +1,208 @@
+"""Run the workers: one process per measurement, interleaved, watched, summarized.
+
+Interleaving: each case is measured in rounds; in every round each implementation runs once, in
+an order rotated from round to round (and case to case), so slow drift of this shared machine
+(another job starting, the CPU clocking down) hits all implementations alike instead of the one
+that always runs last. Figures are medians over rounds of the per-process median time, and the
+ratio to torch is the median of per-round ratios: each ratio compares two runs made seconds apart.
+
+A run that fails, times out or outgrows the memory cap is recorded with the reason. After a
+timeout or an out-of-memory, larger cases of the same sweep are skipped for that implementation
+(recorded as skipped) rather than spending the timeout again.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from . import cases as C
+from .impls import SEED, TORCH, unsupported_reason
+from .probes import PREFIX as PROBE_PREFIX
+from .worker import RESULT_PREFIX
+
+
+def worker_env(threads: int) -> dict:
+    env = dict(os.environ)
+    for var in ("FASTATTN_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        env[var] = str(threads)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")        # XLA's C++ startup chatter on stderr
+    return env
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def run_worker(spec: dict, timeout: float, mem_limit: float) -> dict:
+    """Run one worker; its result dict, or {"error": ...} saying what went wrong."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "fastattn.bench.worker", json.dumps(spec)],
+                                env=worker_env(int(spec["threads"])), stdout=out, stderr=err,
+                                stdin=subprocess.DEVNULL)
+        start, killed = time.monotonic(), None
+        # Poll rather than wait: the machine is shared, so a run that would eat all memory is
+        # stopped at the cap (and recorded) before the kernel's OOM killer picks a victim.
+        while proc.poll() is None:
+            if time.monotonic() - start > timeout:
+                killed = f"timed out after {timeout:g} s"
+            elif mem_limit and _rss_bytes(proc.pid) > mem_limit:
+                killed = f"out of memory: over the {mem_limit / 2**30:.1f} GiB cap"
+            if killed:
+                proc.kill()
+                proc.wait()
+                return {"error": killed}
+            time.sleep(0.02)
+        out.seek(0)
+        err.seek(0)
+        lines = [ln for ln in out.read().splitlines() if ln.startswith(RESULT_PREFIX)]
+        if proc.returncode == 0 and lines:
+            res = json.loads(lines[-1][len(RESULT_PREFIX):])
+            res["wall_s"] = round(time.monotonic() - start, 2)    # what the bench itself costs
+            return res
+        tail = " ".join((err.read().strip().splitlines() or ["no output"])[-1].split())[:300]
+        if proc.returncode in (-9, 137) or "MemoryError" in tail:
+            return {"error": f"out of memory: killed (exit {proc.returncode}) {tail}"}
+        return {"error": f"failed: exit {proc.returncode}: {tail}"}
+
+
+class Runner:
+    """Runs a list of cases for a list of implementations; `progress` is told about every step."""
+
+    def __init__(self, impls, threads, rounds, min_time, max_repeats, timeout, mem_limit,
+                 seed_limit, progress=None, small_probes=False, probe_rounds=None):
+        self.impls, self.threads, self.rounds = list(impls), threads, rounds
+        self.probe_rounds = probe_rounds or rounds
+        self.min_time, self.max_repeats = min_time, max_repeats
+        self.timeout, self.mem_limit, self.seed_limit = timeout, mem_limit, seed_limit
+        self.progress = progress
+        self.small_probes = small_probes
+        self._gave_up: dict[tuple, str] = {}      # (sweep, impl) -> why larger cases are skipped
+
+    def steps(self, case_list) -> int:
+        return (self.probe_rounds * len(self.probe_names())
+                + self.rounds * len(case_list) * len(self.impls))
+
+    @staticmethod
+    def probe_names():
+        from .probes import probes
+        return probes()
+
+    def _spec(self, impl: str, case=None) -> dict:
+        spec = dict(impl=impl, threads=self.threads, min_time=self.min_time,
+                    max_repeats=self.max_repeats, small=self.small_probes)
+        if case is not None:
+            spec["case"] = case.to_dict()
+        return spec
+
+    def _tick(self, label: str) -> None:
+        if self.progress:
+            self.progress.step(label)
+
+    def run_probes(self) -> dict:
+        runs = {name: [] for name in self.probe_names()}
+        for r in range(self.probe_rounds):
+            for name in runs:
+                self._tick(name)
+                res = run_worker(self._spec(name), self.timeout, self.mem_limit)
+                runs[name].append(res)
+        return summarize_probes(runs)
+
+    def _skip_reason(self, impl: str, case: C.Case) -> str:
+        why = unsupported_reason(impl, case)
+        if why:
+            return why
+        if impl == SEED and C.seed_bytes(case) > self.seed_limit:
+            return (f"skipped: the dense scores need ~{C.seed_bytes(case) / 2**30:.1f} GiB "
+                    f"(limit {self.seed_limit / 2**30:.0f} GiB)")
+        return self._gave_up.get((case.sweep, impl), "")
+
+    def run_case(self, case: C.Case, index: int, probes: dict) -> dict:
+        runs = {impl: [] for impl in self.impls}
+        errors: dict[str, str] = {}
+        for r in range(self.rounds):
+            shift = (r + index) % len(self.impls)
+            for impl in self.impls[shift:] + self.impls[:shift]:
+                self._tick(f"{case.name}: {impl}")
+                if impl in errors:
+                    continue
+                skip = self._skip_reason(impl, case)
+                if skip:
+                    errors[impl] = skip
+                    continue
+                res = run_worker(self._spec(impl, case), self.timeout, self.mem_limit)
+                if "error" in res:
+                    errors[impl] = res["error"] if not runs[impl] else (
+                        f"round {r + 1}: {res['error']}")
+                    if res["error"].startswith(("timed out", "out of memory")):
+                        size = f"S={case.S}" if case.is_decode else f"L={case.L}"
+                        self._gave_up[(case.sweep, impl)] = f"skipped: {res['error']} at {size}"
+                    continue
+                res["round"] = r
+                runs[impl].append(res)
+        return summarize_case(case, runs, errors, probes)
+
+
+def summarize_probes(runs: dict) -> dict:
+    """Median rate of each probe; the peaks every figure is compared to."""
+    out: dict = {}
+    for name, results in runs.items():
+        key = name[len(PROBE_PREFIX):]
+        ok = [r for r in results if "error" not in r]
+        if not ok:
+            out[key] = {"error": results[-1]["error"] if results else "not run"}
+            continue
+        t = statistics.median(statistics.median(r["times_s"]) for r in ok)
+        rate = ok[0]["work"] / t / 1e9
+        out[key] = {"gflops" if ok[0]["unit"] == "flop" else "gbytes_per_s": rate,
+                    "rounds": len(ok)}
+    sgemm = [v["gflops"] for k, v in out.items() if k.startswith("sgemm") and "gflops" in v]
+    out["sgemm_peak_gflops"] = max(sgemm) if sgemm else None
+    out["bandwidth_gbytes_per_s"] = out.get("bandwidth", {}).get("gbytes_per_s")
+    return out
+
+
+def summarize_case(case: C.Case, runs: dict, errors: dict, probes: dict) -> dict:
+    flop, nbytes = C.flops(case), C.min_bytes(case)
+    per_round = {impl: {r["round"]: statistics.median(r["times_s"]) for r in rs}
+                 for impl, rs in runs.items()}
+    torch_rounds = per_round.get(TORCH, {})
+    results = {}
+    for impl, rs in runs.items():
+        entry: dict = {}
+        if rs:
+            t = statistics.median(per_round[impl].values())
+            entry = {"time_ms": t * 1e3, "gflops": flop / t / 1e9, "gbytes_per_s": nbytes / t / 1e9,
+                     "first_call_s": rs[0]["first_call_s"], "rounds": len(rs),
+                     "times_s": [r["times_s"] for r in rs]}
+            mems = [r["extra_mb"] for r in rs if "extra_mb" in r]
+            if mems:
+                entry["extra_mb"] = statistics.median(mems)
+            peak, bw = probes.get("sgemm_peak_gflops"), probes.get("bandwidth_gbytes_per_s")
+            if peak:
+                entry["pct_sgemm"] = 100 * entry["gflops"] / peak
+            if bw:
+                entry["pct_bandwidth"] = 100 * entry["gbytes_per_s"] / bw
+            # rounds where torch ran too: each ratio compares two runs made seconds apart
+            paired = [t_r / torch_rounds[r] for r, t_r in per_round[impl].items()
+                      if r in torch_rounds]
+            if paired:
+                entry["time_vs_torch"] = statistics.median(paired)
+        if impl in errors:
+            entry["error"] = errors[impl]
+        results[impl] = entry
+    return {"case": case.name, "sweep": case.sweep, "shape": case.to_dict(), "flops": flop,
+            "bytes": nbytes, "results": results}
