@@ -1,0 +1,140 @@
+"""The benchmark's machinery keeps working: the smoke preset end to end, plus its bookkeeping.
+
+No speed is asserted (DESIGN.md §5): only that every implementation is measured or its failure
+recorded, that the figures are well-formed, and that the files are written.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+import fastattn as fa
+from fastattn.bench import __main__ as bench_cli
+from fastattn.bench import report, runner
+from fastattn.bench.cases import PRESETS, Case
+from fastattn.bench.impls import unsupported_reason
+from fastattn.bench.plots import write_plots
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    assert bench_cli.main(["--preset", "smoke", "--out", str(out)]) == 0
+    with open(out / "results.json") as f:
+        return out, json.load(f)
+
+
+def test_smoke_records_every_implementation(smoke):
+    out, data = smoke
+    meta, impls = data["meta"], data["meta"]["impls"]
+    for name, why in meta["implementations"].items():
+        assert (name in impls) == (why == ""), (name, why)   # not run only with a reason
+    assert {"fastattn-numpy", "seed-numpy"} <= set(impls)
+    assert [r["case"] for r in data["records"]] == [c.name for c in PRESETS["smoke"].cases]
+    for rec in data["records"]:
+        assert set(rec["results"]) == set(impls), rec["case"]
+        for impl, e in rec["results"].items():
+            if "time_ms" in e:
+                assert e["gflops"] > 0 and e["time_ms"] > 0 and e["gbytes_per_s"] > 0
+                assert e["rounds"] == meta["rounds"] or e.get("error")
+            else:
+                assert isinstance(e.get("error"), str) and e["error"], (rec["case"], impl)
+        # the NumPy implementations are always there: they must have produced numbers
+        assert "time_ms" in rec["results"]["seed-numpy"], rec["results"]["seed-numpy"]
+        if rec["shape"]["kind"] == "fwd":
+            assert "time_ms" in rec["results"]["fastattn-numpy"]
+        if "time_ms" in rec["results"].get("torch", {}):
+            assert rec["results"]["torch"]["time_vs_torch"] == pytest.approx(1.0)
+    assert data["probes"]["sgemm-numpy"]["gflops"] > 0
+    assert data["probes"]["bandwidth"]["gbytes_per_s"] > 0
+    assert meta["threads"] >= 1 and meta["versions"]["numpy"] and meta["cpu"]
+    text = (out / "results.md").read_text()
+    assert "| case |" in text and data["records"][0]["case"] in text
+
+
+def test_smoke_writes_pngs(smoke):
+    pytest.importorskip("matplotlib")
+    out, _ = smoke
+    for name in ("throughput.png", "memory.png", "decode.png", "backward.png"):
+        head = (out / name).read_bytes()[:8]
+        assert head == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_plots_skipped_with_a_note_without_matplotlib(smoke, tmp_path, monkeypatch):
+    _, data = smoke
+    monkeypatch.setitem(sys.modules, "matplotlib", None)       # makes `import matplotlib` fail
+    written, note = write_plots(data, str(tmp_path))
+    assert written == [] and "matplotlib" in note
+    assert list(tmp_path.iterdir()) == []
+
+
+TINY = Case("t", "fwd", 1, 2, 2, 16, 16, 8)
+
+
+def _runner(impls, timeout=60.0):
+    return runner.Runner(impls, threads=1, rounds=1, min_time=0.0, max_repeats=1,
+                         timeout=timeout, mem_limit=0, seed_limit=1 << 30)
+
+
+def test_failed_run_is_recorded_not_dropped():
+    rec = _runner(["fastattn-numpy", "no-such-impl"]).run_case(TINY, 0, probes={})
+    assert rec["results"]["fastattn-numpy"]["gflops"] > 0
+    err = rec["results"]["no-such-impl"]["error"]
+    assert err.startswith("failed") and "no-such-impl" in err
+
+
+def test_timeout_is_recorded_and_larger_cases_skipped():
+    r = _runner(["seed-numpy"], timeout=0.01)
+    small, big = TINY, Case("t", "fwd", 1, 2, 2, 32, 32, 8)
+    first = r.run_case(small, 0, probes={})["results"]["seed-numpy"]
+    assert first["error"].startswith("timed out")
+    second = r.run_case(big, 1, probes={})["results"]["seed-numpy"]
+    assert second["error"].startswith("skipped") and "L=16" in second["error"]
+
+
+def test_seed_skipped_when_dense_scores_too_big():
+    huge = Case("h", "fwd", 1, 8, 8, 65536, 65536, 64)
+    why = _runner(["seed-numpy"])._skip_reason("seed-numpy", huge)
+    assert why.startswith("skipped") and "GiB" in why
+    assert _runner(["seed-numpy"])._skip_reason("seed-numpy", TINY) == ""
+
+
+def test_backward_recorded_unavailable_when_fastattn_lacks_it(monkeypatch):
+    bwd = Case("b", "bwd", 1, 2, 2, 16, 16, 8)
+    monkeypatch.delattr(fa, "scaled_dot_product_attention_backward", raising=False)
+    assert unsupported_reason("fastattn-numpy", bwd).startswith("not available")
+    assert unsupported_reason("torch", bwd) == ""
+    assert unsupported_reason("fastattn-numpy", TINY) == ""
+
+
+def test_ratio_to_torch_is_median_of_per_round_ratios():
+    def rounds(times):
+        return [{"round": i, "times_s": [t], "first_call_s": 0.0} for i, t in enumerate(times)]
+    runs = {"torch": rounds([1.0, 2.0, 4.0]), "x": rounds([2.0, 1.0, 2.0]), "y": []}
+    rec = runner.summarize_case(TINY, runs, {"y": "timed out after 1 s"},
+                                {"sgemm_peak_gflops": 100.0})
+    x = rec["results"]["x"]
+    # per-round ratios 2, 0.5, 0.5 -> 0.5; the ratio of medians would say 1.0
+    assert x["time_vs_torch"] == pytest.approx(0.5)
+    assert x["time_ms"] == pytest.approx(2000.0)
+    assert x["gflops"] == pytest.approx(4 * 2 * 16 * 16 * 8 / 2.0 / 1e9)
+    assert x["pct_sgemm"] == pytest.approx(100 * x["gflops"] / 100.0)
+    assert rec["results"]["y"] == {"error": "timed out after 1 s"}
+
+
+def test_readme_section_rewrites_only_between_markers(smoke, tmp_path):
+    out, data = smoke
+    readme = tmp_path / "README.md"
+    before = "# title\n\n## Benchmark\n\n"
+    after = "\n\n## Next\n\nkept as is\n"
+    readme.write_text(before + report.START + "\nold table\n" + report.END + after)
+    report.update_readme(str(readme), str(out / "results.json"))
+    text = readme.read_text()
+    assert text.startswith(before + report.START + "\n") and text.endswith(report.END + after)
+    assert "old table" not in text and data["meta"]["command"] in text
+    assert data["records"][0]["case"] in text
+    readme.write_text("no markers\n")
+    with pytest.raises(ValueError, match="markers"):
+        report.update_readme(str(readme), str(out / "results.json"))
