@@ -94,6 +94,13 @@ def test_timeout_is_recorded_and_larger_cases_skipped():
     assert second["error"].startswith("skipped") and "L=16" in second["error"]
 
 
+def test_time_budget_turns_remaining_runs_into_recorded_skips():
+    r = runner.Runner(["seed-numpy"], threads=1, rounds=1, min_time=0.0, max_repeats=1,
+                      timeout=60.0, mem_limit=0, seed_limit=1 << 30, budget_s=1e-9)
+    err = r.run_case(TINY, 0, probes={})["results"]["seed-numpy"]["error"]
+    assert err.startswith("skipped") and "budget" in err
+
+
 def test_seed_skipped_when_dense_scores_too_big():
     huge = Case("h", "fwd", 1, 8, 8, 65536, 65536, 64)
     why = _runner(["seed-numpy"])._skip_reason("seed-numpy", huge)

@@ -45,6 +45,8 @@ def parse_args(argv):
                     help="stop a run whose RSS passes this (default: half the machine's memory)")
     ap.add_argument("--seed-limit-gb", type=float, default=4.0,
                     help="skip the seed-style code where its dense scores would need more")
+    ap.add_argument("--budget-min", type=float, help="minutes after which runs not yet made "
+                    "are recorded as skipped (default: the preset's; 0 = none)")
     ap.add_argument("--out", help="output directory (default: the preset's)")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--readme", help="also rewrite this README's benchmark section")
@@ -74,9 +76,11 @@ def main(argv=None) -> int:
                     preset.min_time if args.min_time is None else args.min_time,
                     preset.max_repeats, args.timeout or preset.timeout, mem_limit,
                     args.seed_limit_gb * 2**30, small_probes=preset.name == "smoke",
-                    probe_rounds=None if args.rounds else preset.probe_rounds)
+                    probe_rounds=None if args.rounds else preset.probe_rounds,
+                    budget_s=60 * (preset.budget_min if args.budget_min is None
+                                   else args.budget_min))
     meta.update(rounds=runner.rounds, probe_rounds=runner.probe_rounds,
-                min_time_s=runner.min_time, timeout_s=runner.timeout,
+                min_time_s=runner.min_time, timeout_s=runner.timeout, budget_s=runner.budget_s,
                 mem_limit_gib=round(mem_limit / 2**30, 1))
     print(f"fastattn bench, preset {preset.name}: {len(case_list)} cases x {len(impls)} "
           f"implementations x {runner.rounds} rounds, {args.threads} threads -> {out_dir}",

@@ -97,6 +97,7 @@ class Preset:
     timeout: float        # seconds per process, then the run is recorded as timed out
     out_dir: str          # where results go by default
     probe_rounds: int = 0  # rounds of the sgemm/bandwidth probes (0: as many as `rounds`)
+    budget_min: float = 0  # past this many minutes, runs not yet made are recorded as skipped
     note: str = ""
 
 
@@ -132,5 +133,6 @@ PRESETS = {
               + _sweep("bwd d=64", "bwd", (1024, 2048, 4096))
               + _sweep("bwd d=64 causal", "bwd", (4096,), causal=True)),
         rounds=3, min_time=1.0, max_repeats=10, timeout=300.0, out_dir="bench/results",
+        budget_min=28,
         note="the record: README's table and plots"),
 }

@@ -83,8 +83,11 @@ class Runner:
     """Runs a list of cases for a list of implementations; `progress` is told about every step."""
 
     def __init__(self, impls, threads, rounds, min_time, max_repeats, timeout, mem_limit,
-                 seed_limit, progress=None, small_probes=False, probe_rounds=None):
+                 seed_limit, progress=None, small_probes=False, probe_rounds=None,
+                 budget_s=0.0):
         self.impls, self.threads, self.rounds = list(impls), threads, rounds
+        # a shared machine can be much slower than planned; the budget keeps the run bounded
+        self.budget_s, self.deadline = budget_s, (time.monotonic() + budget_s if budget_s else 0)
         self.probe_rounds = probe_rounds or rounds
         self.min_time, self.max_repeats = min_time, max_repeats
         self.timeout, self.mem_limit, self.seed_limit = timeout, mem_limit, seed_limit
@@ -128,6 +131,8 @@ class Runner:
         if impl == SEED and C.seed_bytes(case) > self.seed_limit:
             return (f"skipped: the dense scores need ~{C.seed_bytes(case) / 2**30:.1f} GiB "
                     f"(limit {self.seed_limit / 2**30:.0f} GiB)")
+        if self.deadline and time.monotonic() > self.deadline:
+            return f"skipped: the run's time budget ({self.budget_s / 60:.0f} min) was spent"
         return self._gave_up.get((case.sweep, impl), "")
 
     def run_case(self, case: C.Case, index: int, probes: dict) -> dict:
