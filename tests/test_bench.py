@@ -79,7 +79,7 @@ def _runner(impls, timeout=60.0):
 
 
 def test_failed_run_is_recorded_not_dropped():
-    rec = _runner(["fastattn-numpy", "no-such-impl"]).run_case(TINY, 0, probes={})
+    rec = _runner(["fastattn-numpy", "no-such-impl"]).run_case(TINY, 0)
     assert rec["results"]["fastattn-numpy"]["gflops"] > 0
     err = rec["results"]["no-such-impl"]["error"]
     assert err.startswith("failed") and "no-such-impl" in err
@@ -88,16 +88,22 @@ def test_failed_run_is_recorded_not_dropped():
 def test_timeout_is_recorded_and_larger_cases_skipped():
     r = _runner(["seed-numpy"], timeout=0.01)
     small, big = TINY, Case("t", "fwd", 1, 2, 2, 32, 32, 8)
-    first = r.run_case(small, 0, probes={})["results"]["seed-numpy"]
+    first = r.run_case(small, 0)["results"]["seed-numpy"]
     assert first["error"].startswith("timed out")
-    second = r.run_case(big, 1, probes={})["results"]["seed-numpy"]
+    second = r.run_case(big, 1)["results"]["seed-numpy"]
     assert second["error"].startswith("skipped") and "L=16" in second["error"]
+
+
+def test_memory_cap_stops_the_run_and_is_recorded():
+    spec = dict(impl="seed-numpy", threads=1, case=TINY.to_dict())
+    res = runner.run_worker(spec, timeout=60.0, mem_limit=1.0)      # any process is over 1 byte
+    assert res["error"].startswith("out of memory") and "cap" in res["error"]
 
 
 def test_time_budget_turns_remaining_runs_into_recorded_skips():
     r = runner.Runner(["seed-numpy"], threads=1, rounds=1, min_time=0.0, max_repeats=1,
                       timeout=60.0, mem_limit=0, seed_limit=1 << 30, budget_s=1e-9)
-    err = r.run_case(TINY, 0, probes={})["results"]["seed-numpy"]["error"]
+    err = r.run_case(TINY, 0)["results"]["seed-numpy"]["error"]
     assert err.startswith("skipped") and "budget" in err
 
 
@@ -120,8 +126,8 @@ def test_ratio_to_torch_is_median_of_per_round_ratios():
     def rounds(times):
         return [{"round": i, "times_s": [t], "first_call_s": 0.0} for i, t in enumerate(times)]
     runs = {"torch": rounds([1.0, 2.0, 4.0]), "x": rounds([2.0, 1.0, 2.0]), "y": []}
-    rec = runner.summarize_case(TINY, runs, {"y": "timed out after 1 s"},
-                                {"sgemm_peak_gflops": 100.0})
+    rec = runner.summarize_case(TINY, runs, {"y": "timed out after 1 s"})
+    runner.add_peak_fractions([rec], {"sgemm_peak_gflops": 100.0})
     x = rec["results"]["x"]
     # per-round ratios 2, 0.5, 0.5 -> 0.5; the ratio of medians would say 1.0
     assert x["time_vs_torch"] == pytest.approx(0.5)

@@ -21,7 +21,7 @@ from .machine import describe, load_average
 from .plots import write_plots
 from .progress import Progress
 from .report import SUMMARY_NOTE, markdown, summary_table
-from .runner import Runner
+from .runner import Runner, add_peak_fractions, summarize_probes
 
 
 def parse_args(argv):
@@ -76,19 +76,20 @@ def main(argv=None) -> int:
                     preset.min_time if args.min_time is None else args.min_time,
                     preset.max_repeats, args.timeout or preset.timeout, mem_limit,
                     args.seed_limit_gb * 2**30, small_probes=preset.name == "smoke",
-                    probe_rounds=None if args.rounds else preset.probe_rounds,
                     budget_s=60 * (preset.budget_min if args.budget_min is None
                                    else args.budget_min))
-    meta.update(rounds=runner.rounds, probe_rounds=runner.probe_rounds,
+    meta.update(rounds=runner.rounds, probe_runs=list(preset.probes),
                 min_time_s=runner.min_time, timeout_s=runner.timeout, budget_s=runner.budget_s,
                 mem_limit_gib=round(mem_limit / 2**30, 1))
     print(f"fastattn bench, preset {preset.name}: {len(case_list)} cases x {len(impls)} "
           f"implementations x {runner.rounds} rounds, {args.threads} threads -> {out_dir}",
           file=sys.stderr)
-    runner.progress = Progress(runner.steps(case_list))
+    runner.progress = Progress(runner.steps(case_list, sum(preset.probes)))
     start = time.monotonic()
-    probes = runner.run_probes()
-    records = [runner.run_case(c, i, probes) for i, c in enumerate(case_list)]
+    probe_runs = runner.run_probes(preset.probes[0])
+    records = [runner.run_case(c, i) for i, c in enumerate(case_list)]
+    probes = summarize_probes(runner.run_probes(preset.probes[1], probe_runs))
+    add_peak_fractions(records, probes)
     runner.progress.close()
     meta.update(elapsed_s=round(time.monotonic() - start, 1), load_average_end=load_average())
     data = {"meta": meta, "probes": probes, "records": records}

@@ -96,7 +96,9 @@ class Preset:
     max_repeats: int      # cap on timed calls per process
     timeout: float        # seconds per process, then the run is recorded as timed out
     out_dir: str          # where results go by default
-    probe_rounds: int = 0  # rounds of the sgemm/bandwidth probes (0: as many as `rounds`)
+    # runs of the sgemm/bandwidth probes before and after the cases: the machine's rates while
+    # the cases ran, not just at the start
+    probes: tuple = (1, 0)
     budget_min: float = 0  # past this many minutes, runs not yet made are recorded as skipped
     note: str = ""
 
@@ -111,7 +113,7 @@ PRESETS = {
         tuple(_sweep("fwd d=32", "fwd", (64,), Hq=2, D=32)
               + _sweep("decode GQA 4/2 d=32", "fwd", (128,), Hq=4, Hkv=2, D=32, decode=True)
               + _sweep("bwd d=32", "bwd", (32,), Hq=2, D=32)),
-        rounds=1, probe_rounds=1, min_time=0.0, max_repeats=2, timeout=120.0,
+        rounds=1, min_time=0.0, max_repeats=2, timeout=120.0,
         out_dir="bench/out",
         note="tiny shapes that only check the machinery (the test suite runs it)"),
     "quick": Preset(
@@ -120,7 +122,7 @@ PRESETS = {
               + _sweep("fwd d=64 causal", "fwd", (1024,), causal=True)
               + _decode((8192,))
               + _sweep("bwd d=64", "bwd", (512,))),
-        rounds=2, probe_rounds=1, min_time=0.1, max_repeats=3, timeout=60.0,
+        rounds=2, min_time=0.1, max_repeats=3, timeout=60.0,
         out_dir="bench/out",
         note="a first look in under two minutes; use --preset full for the record"),
     "full": Preset(
@@ -133,6 +135,6 @@ PRESETS = {
               + _sweep("bwd d=64", "bwd", (1024, 2048, 4096))
               + _sweep("bwd d=64 causal", "bwd", (4096,), causal=True)),
         rounds=3, min_time=1.0, max_repeats=10, timeout=300.0, out_dir="bench/results",
-        budget_min=28,
+        budget_min=28, probes=(2, 1),
         note="the record: README's table and plots"),
 }

@@ -83,21 +83,19 @@ class Runner:
     """Runs a list of cases for a list of implementations; `progress` is told about every step."""
 
     def __init__(self, impls, threads, rounds, min_time, max_repeats, timeout, mem_limit,
-                 seed_limit, progress=None, small_probes=False, probe_rounds=None,
-                 budget_s=0.0):
+                 seed_limit, progress=None, small_probes=False, budget_s=0.0):
         self.impls, self.threads, self.rounds = list(impls), threads, rounds
         # a shared machine can be much slower than planned; the budget keeps the run bounded
         self.budget_s, self.deadline = budget_s, (time.monotonic() + budget_s if budget_s else 0)
-        self.probe_rounds = probe_rounds or rounds
         self.min_time, self.max_repeats = min_time, max_repeats
         self.timeout, self.mem_limit, self.seed_limit = timeout, mem_limit, seed_limit
         self.progress = progress
         self.small_probes = small_probes
         self._gave_up: dict[tuple, str] = {}      # (sweep, impl) -> why larger cases are skipped
 
-    def steps(self, case_list) -> int:
-        return (self.probe_rounds * len(self.probe_names())
-                + self.rounds * len(case_list) * len(self.impls))
+    def steps(self, case_list, probe_rounds: int) -> int:
+        cases = self.rounds * len(case_list) * len(self.impls)
+        return probe_rounds * len(self.probe_names()) + cases
 
     @staticmethod
     def probe_names():
@@ -115,14 +113,14 @@ class Runner:
         if self.progress:
             self.progress.step(label)
 
-    def run_probes(self) -> dict:
-        runs = {name: [] for name in self.probe_names()}
-        for r in range(self.probe_rounds):
+    def run_probes(self, rounds: int, runs: dict | None = None) -> dict:
+        """Add `rounds` runs of every probe to `runs` ({probe: [results]}) and return it."""
+        runs = runs if runs is not None else {name: [] for name in self.probe_names()}
+        for _ in range(rounds):
             for name in runs:
                 self._tick(name)
-                res = run_worker(self._spec(name), self.timeout, self.mem_limit)
-                runs[name].append(res)
-        return summarize_probes(runs)
+                runs[name].append(run_worker(self._spec(name), self.timeout, self.mem_limit))
+        return runs
 
     def _skip_reason(self, impl: str, case: C.Case) -> str:
         why = unsupported_reason(impl, case)
@@ -135,7 +133,7 @@ class Runner:
             return f"skipped: the run's time budget ({self.budget_s / 60:.0f} min) was spent"
         return self._gave_up.get((case.sweep, impl), "")
 
-    def run_case(self, case: C.Case, index: int, probes: dict) -> dict:
+    def run_case(self, case: C.Case, index: int) -> dict:
         runs = {impl: [] for impl in self.impls}
         errors: dict[str, str] = {}
         for r in range(self.rounds):
@@ -158,7 +156,7 @@ class Runner:
                     continue
                 res["round"] = r
                 runs[impl].append(res)
-        return summarize_case(case, runs, errors, probes)
+        return summarize_case(case, runs, errors)
 
 
 def summarize_probes(runs: dict) -> dict:
@@ -180,7 +178,7 @@ def summarize_probes(runs: dict) -> dict:
     return out
 
 
-def summarize_case(case: C.Case, runs: dict, errors: dict, probes: dict) -> dict:
+def summarize_case(case: C.Case, runs: dict, errors: dict) -> dict:
     flop, nbytes = C.flops(case), C.min_bytes(case)
     per_round = {impl: {r["round"]: statistics.median(r["times_s"]) for r in rs}
                  for impl, rs in runs.items()}
@@ -196,11 +194,6 @@ def summarize_case(case: C.Case, runs: dict, errors: dict, probes: dict) -> dict
             mems = [r["extra_mb"] for r in rs if "extra_mb" in r]
             if mems:
                 entry["extra_mb"] = statistics.median(mems)
-            peak, bw = probes.get("sgemm_peak_gflops"), probes.get("bandwidth_gbytes_per_s")
-            if peak:
-                entry["pct_sgemm"] = 100 * entry["gflops"] / peak
-            if bw:
-                entry["pct_bandwidth"] = 100 * entry["gbytes_per_s"] / bw
             # rounds where torch ran too: each ratio compares two runs made seconds apart
             paired = [t_r / torch_rounds[r] for r, t_r in per_round[impl].items()
                       if r in torch_rounds]
@@ -211,3 +204,14 @@ def summarize_case(case: C.Case, runs: dict, errors: dict, probes: dict) -> dict
         results[impl] = entry
     return {"case": case.name, "sweep": case.sweep, "shape": case.to_dict(), "flops": flop,
             "bytes": nbytes, "results": results}
+
+
+def add_peak_fractions(records: list[dict], probes: dict) -> None:
+    """% of the measured sgemm peak and read bandwidth, once the probes are all in."""
+    peak, bw = probes.get("sgemm_peak_gflops"), probes.get("bandwidth_gbytes_per_s")
+    for rec in records:
+        for entry in rec["results"].values():
+            if "gflops" in entry and peak:
+                entry["pct_sgemm"] = 100 * entry["gflops"] / peak
+            if "gbytes_per_s" in entry and bw:
+                entry["pct_bandwidth"] = 100 * entry["gbytes_per_s"] / bw
