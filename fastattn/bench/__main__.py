@@ -1,11 +1,12 @@
-"""python -m fastattn.bench [--preset quick|full|smoke] [options]
+"""python -m fastattn.bench [--preset quick|full|targets|smoke] [options]
 
 fastattn's backends against torch's CPU SDPA, jax.nn.dot_product_attention and the seed-style
 NumPy code, each measurement in its own process with the same thread count, interleaved, with
 the machine's own sgemm rate and memory bandwidth measured in the same run.
 
 Writes results.json, results.md and PNG plots to --out (default: bench/out for quick and smoke,
-bench/results for full) and prints the summary table.
+bench/results for full) and prints the summary table. The README section comes from
+bench/results via `python -m fastattn.bench.report --readme README.md`.
 """
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ def parse_args(argv):
 
     ap = argparse.ArgumentParser(prog="python -m fastattn.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="quick",
-                    help="which cases and how many rounds (default: quick, under 2 minutes)")
+    ap.add_argument("--preset", choices=list(PRESETS), default="quick",
+                    help="which cases and how many rounds (default: quick): " + "; ".join(
+                        f"{p.name}: {p.note}" for p in PRESETS.values()))
     ap.add_argument("--sweeps", nargs="+", metavar="TEXT",
                     help="only sweeps whose name contains one of these, e.g. decode 'fwd d=64'")
     ap.add_argument("--impls", nargs="+", help="implementations to run (default: every one "

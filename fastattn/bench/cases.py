@@ -103,9 +103,24 @@ class Preset:
     note: str = ""
 
 
+# The speed bars the compiled-backend issues set (numba, cython): one case each, not a line to plot.
+TARGET = "target"
+
+
+def _targets(long_context: bool) -> list[Case]:
+    cases = [Case(f"{TARGET} fwd B=1 H=8 d=64", "fwd", 1, 8, 8, 2048, 2048, 64),
+             Case(f"{TARGET} fwd B=1 H=8 d=64 causal", "fwd", 1, 8, 8, 2048, 2048, 64, True),
+             Case(f"{TARGET} fwd B=1 H=8 d=128", "fwd", 1, 8, 8, 2048, 2048, 128),
+             Case(f"{TARGET} fwd B=4 H=8 d=64", "fwd", 4, 8, 8, 256, 256, 64)]
+    if long_context:       # ~0.55 TFLOP per call: too long for the full preset's half hour
+        cases += [Case(f"{TARGET} decode GQA 32/8 d=128", "fwd", 1, 32, 8, 1, 16384, 128),
+                  Case(f"{TARGET} fwd H=4 d=64 causal", "fwd", 1, 4, 4, 32768, 32768, 64, True)]
+    return cases
+
+
 # H=4 (not 8 or 32) for the long forward sweeps: it keeps L=16384 at ~0.3 TFLOP per call, so the
 # full preset fits in half an hour on 2 cores, and 4 heads still give every thread work.
-_FULL_L = (256, 512, 1024, 2048, 4096, 8192, 16384)
+_FULL_L = (256, 1024, 2048, 4096, 8192, 16384)
 
 PRESETS = {
     "smoke": Preset(
@@ -128,13 +143,18 @@ PRESETS = {
     "full": Preset(
         "full",
         tuple(_sweep("fwd d=64", "fwd", _FULL_L)
-              + _sweep("fwd d=64 causal", "fwd", _FULL_L, causal=True)
+              + _sweep("fwd d=64 causal", "fwd", (256, 1024, 4096, 16384), causal=True)
               + _sweep("fwd d=128", "fwd", (512, 2048, 8192), D=128)
               + _sweep("fwd GQA 8/2 d=128", "fwd", (1024, 4096), Hq=8, Hkv=2, D=128)
               + _decode((1024, 4096, 16384, 65536))
               + _sweep("bwd d=64", "bwd", (1024, 2048, 4096))
-              + _sweep("bwd d=64 causal", "bwd", (4096,), causal=True)),
-        rounds=3, min_time=1.0, max_repeats=10, timeout=300.0, out_dir="bench/results",
+              + _sweep("bwd d=64 causal", "bwd", (1024, 4096), causal=True)
+              + _targets(long_context=False)),
+        rounds=3, min_time=0.5, max_repeats=10, timeout=300.0, out_dir="bench/results",
         budget_min=28, probes=(2, 1),
-        note="the record: README's table and plots"),
+        note="the record: README's table and plots (~25 min)"),
+    "targets": Preset(
+        "targets", tuple(_targets(long_context=True)),
+        rounds=3, min_time=1.0, max_repeats=10, timeout=600.0, out_dir="bench/out",
+        probes=(2, 1), note="the speed bars of the numba and cython issues, 32k context included"),
 }

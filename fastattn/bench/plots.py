@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from .cases import TARGET
+
 MISSING = "plots skipped: matplotlib is not installed (pip install 'fastattn[bench]')"
 
 
@@ -30,8 +32,11 @@ def _series(data: dict, sweep: str, value):
 
 
 def _sweeps(data: dict, pred) -> list[str]:
+    """Sweeps to plot, in run order; the single target cases are table-only."""
     seen = []
     for rec in data["records"]:
+        if rec["sweep"].startswith(TARGET):
+            continue
         if pred(rec) and rec["sweep"] not in seen:
             seen.append(rec["sweep"])
     return seen
