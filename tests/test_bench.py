@@ -107,6 +107,15 @@ def test_time_budget_turns_remaining_runs_into_recorded_skips():
     assert err.startswith("skipped") and "budget" in err
 
 
+def test_case_predicted_to_time_out_is_skipped_and_cheap_cases_run_first():
+    small, big = TINY, Case("t", "fwd", 1, 2, 2, 4096, 4096, 8)
+    r = _runner(["seed-numpy"], timeout=10.0)
+    r._rate[("t", "seed-numpy")] = (1e-3, "L=16")          # as if L=16 had run at 1 MFLOP/s
+    why = r._skip_reason("seed-numpy", big)
+    assert why.startswith("skipped") and "timeout" in why and "L=16" in why
+    assert runner.cost_order([big, small, big]) == [1, 0, 2]
+
+
 def test_seed_skipped_when_dense_scores_too_big():
     huge = Case("h", "fwd", 1, 8, 8, 65536, 65536, 64)
     why = _runner(["seed-numpy"])._skip_reason("seed-numpy", huge)

@@ -22,7 +22,7 @@ from .machine import describe, load_average
 from .plots import write_plots
 from .progress import Progress
 from .report import SUMMARY_NOTE, markdown, summary_table
-from .runner import Runner, add_peak_fractions, summarize_probes
+from .runner import Runner, add_peak_fractions, cost_order, summarize_probes
 
 
 def parse_args(argv):
@@ -89,7 +89,9 @@ def main(argv=None) -> int:
     runner.progress = Progress(runner.steps(case_list, sum(preset.probes)))
     start = time.monotonic()
     probe_runs = runner.run_probes(preset.probes[0])
-    records = [runner.run_case(c, i) for i, c in enumerate(case_list)]
+    records = [None] * len(case_list)
+    for n, i in enumerate(cost_order(case_list)):
+        records[i] = runner.run_case(case_list[i], n)
     probes = summarize_probes(runner.run_probes(preset.probes[1], probe_runs))
     add_peak_fractions(records, probes)
     runner.progress.close()

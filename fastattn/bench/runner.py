@@ -92,6 +92,7 @@ class Runner:
         self.progress = progress
         self.small_probes = small_probes
         self._gave_up: dict[tuple, str] = {}      # (sweep, impl) -> why larger cases are skipped
+        self._rate: dict[tuple, tuple] = {}       # (sweep, impl) -> (GF/s, size) last measured
 
     def steps(self, case_list, probe_rounds: int) -> int:
         cases = self.rounds * len(case_list) * len(self.impls)
@@ -131,6 +132,14 @@ class Runner:
                     f"(limit {self.seed_limit / 2**30:.0f} GiB)")
         if self.deadline and time.monotonic() > self.deadline:
             return f"skipped: the run's time budget ({self.budget_s / 60:.0f} min) was spent"
+        if (case.sweep, impl) in self._rate:
+            # a worker makes at least two calls (warm-up, timed): don't start one that the rate
+            # measured on the previous size says will run into the timeout
+            gflops, size = self._rate[(case.sweep, impl)]
+            per_call = C.flops(case) / (gflops * 1e9)
+            if 2 * per_call > self.timeout:
+                return (f"skipped: at the {gflops:.1f} GF/s measured at {size} one call would take"
+                        f" ~{per_call:.0f} s (timeout {self.timeout:g} s)")
         return self._gave_up.get((case.sweep, impl), "")
 
     def run_case(self, case: C.Case, index: int) -> dict:
@@ -151,12 +160,27 @@ class Runner:
                     errors[impl] = res["error"] if not runs[impl] else (
                         f"round {r + 1}: {res['error']}")
                     if res["error"].startswith(("timed out", "out of memory")):
-                        size = f"S={case.S}" if case.is_decode else f"L={case.L}"
-                        self._gave_up[(case.sweep, impl)] = f"skipped: {res['error']} at {size}"
+                        self._gave_up[(case.sweep, impl)] = (
+                            f"skipped: {res['error']} at {_size(case)}")
                     continue
                 res["round"] = r
                 runs[impl].append(res)
+                rate = C.flops(case) / min(res["times_s"]) / 1e9
+                prev = self._rate.get((case.sweep, impl), (rate, ""))[0]
+                self._rate[(case.sweep, impl)] = (min(rate, prev) if r else rate, _size(case))
         return summarize_case(case, runs, errors)
+
+
+def _size(case: C.Case) -> str:
+    return f"S={case.S}" if case.is_decode else f"L={case.L}"
+
+
+def cost_order(case_list) -> list[int]:
+    """Indices of the cases, cheapest first (stable): if the time budget runs out, only the
+    largest cases are lost, and each sweep's sizes run in increasing order."""
+    def cost(i):
+        return C.flops(case_list[i]) + C.min_bytes(case_list[i])
+    return sorted(range(len(case_list)), key=cost)
 
 
 def summarize_probes(runs: dict) -> dict:
