@@ -1,0 +1,77 @@
+"""The decode kernel family: a few queries against a long KV cache (L <= 16, S large).
+
+Backends switch to a decode path for these shapes (K/V read once per KV group, keys split
+across threads when batch * kv_heads is small); the results must still equal the reference.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import check_sdpa, randn
+
+import fastattn as fa
+
+
+def cache(rng, B=1, Hq=8, Hkv=2, L=1, S=3000, E=64, Ev=None, dtype=np.float32):
+    Ev = E if Ev is None else Ev
+    return (randn(rng, (B, Hq, L, E), dtype), randn(rng, (B, Hkv, S, E), dtype),
+            randn(rng, (B, Hkv, S, Ev), dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("B,Hq,Hkv", [(1, 8, 2), (1, 4, 4), (3, 6, 1), (2, 32, 8)])
+@pytest.mark.parametrize("L", [1, 4, 16])
+def test_decode_matches_reference(backend, rng, dtype, B, Hq, Hkv, L):
+    q, k, v = cache(rng, B, Hq, Hkv, L, S=1037, E=32, dtype=dtype)
+    check_sdpa(q, k, v, backend, enable_gqa=True, is_causal=True, causal_alignment="bottom_right")
+
+
+@pytest.mark.parametrize("S", [1, 2, 511, 512, 513, 4099])
+def test_decode_odd_cache_lengths(backend, rng, S):
+    q, k, v = cache(rng, Hq=4, Hkv=2, S=S, E=16, Ev=24)
+    check_sdpa(q, k, v, backend, enable_gqa=True)
+
+
+def test_decode_with_padding_window_softcap_alibi(backend, rng):
+    B, Hq, Hkv, S = 2, 8, 2, 2000
+    q, k, v = cache(rng, B, Hq, Hkv, 2, S, E=32)
+    mask = fa.padding_mask(np.array([1500, 37]), S)
+    check_sdpa(q, k, v, backend, enable_gqa=True, attn_mask=mask)
+    check_sdpa(q, k, v, backend, enable_gqa=True, window=(700, 0), is_causal=True,
+               causal_alignment="bottom_right", softcap=20.0, alibi_slopes=rng.random(Hq))
+    check_sdpa(q, k, v, backend, enable_gqa=True, attn_mask=rng.standard_normal((B, Hq, 2, S)))
+    check_sdpa(q, k, v, backend, enable_gqa=True, dropout_p=0.25, rng=3)
+
+
+def test_decode_with_garbage_in_unused_cache(backend, rng):
+    """A preallocated cache: only the first `used` slots are written, the rest is NaN."""
+    B, Hq, Hkv, S, used = 1, 8, 2, 4096, 1234
+    q, k, v = cache(rng, B, Hq, Hkv, 1, S, E=64)
+    k[:, :, used:] = np.nan
+    v[:, :, used:] = np.nan
+    mask = fa.padding_mask(np.array([used]), S)
+    out = fa.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, backend=backend)
+    want = fa.scaled_dot_product_attention(q, k[:, :, :used], v[:, :, :used], enable_gqa=True,
+                                           backend="numpy")
+    np.testing.assert_allclose(out, want, atol=2e-6)
+
+
+def test_decode_step_by_step_equals_prefill(backend, rng):
+    """Feeding the sequence one query at a time (bottom-right causal) equals one causal call."""
+    B, Hq, Hkv, L, E = 1, 4, 2, 12, 32
+    q, k, v = cache(rng, B, Hq, Hkv, L, L, E)
+    full = fa.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, backend=backend)
+    for t in range(L):
+        step = fa.scaled_dot_product_attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1],
+                                               is_causal=True, causal_alignment="bottom_right",
+                                               enable_gqa=True, backend=backend)
+        np.testing.assert_allclose(step[:, :, 0], full[:, :, t], atol=2e-6)
+
+
+def test_decode_threads_do_not_change_results(backend, rng, monkeypatch):
+    q, k, v = cache(rng, 1, 8, 2, 1, 8000, E=64)
+    monkeypatch.setenv("FASTATTN_NUM_THREADS", "1")
+    one = fa.scaled_dot_product_attention(q, k, v, enable_gqa=True, backend=backend)
+    monkeypatch.setenv("FASTATTN_NUM_THREADS", "2")
+    two = fa.scaled_dot_product_attention(q, k, v, enable_gqa=True, backend=backend)
+    np.testing.assert_allclose(one, two, rtol=0, atol=1e-6)
