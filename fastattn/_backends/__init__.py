@@ -95,7 +95,7 @@ def _check_required() -> None:
 def auto_order(problem, op: str) -> list[str]:
     """Backends to try under "auto", fastest first, for this op and shape.
 
-    The order comes from side-by-side measurements recorded in bench/RESULTS.md.
+    The order comes from side-by-side measurements (bench/results/results.md).
     """
     return ["cython", "numba", "numpy"]
 
