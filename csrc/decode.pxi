@@ -1,0 +1,203 @@
+# Decode: a few query rows (L <= ~16) against a long key sequence -- memory-bound, so the
+# goal is to read K and V exactly once at full bandwidth.
+#
+# Item = (batch, kv head, row group, key chunk).  The lanes of an item are ALL query rows of
+# the KV group (G query heads x L rows), so every K/V block is streamed once for the whole
+# group instead of G times.  Lanes are packed into Qt panels one vector wide when they fit
+# (MHA decode has 1 lane; a 2-vector panel would double the padding work).
+# When B*Hkv*row_groups < threads, the keys are split into chunks (flash-decoding); each chunk
+# leaves an unnormalised partial (O, m, l) and dec_merge combines them by log-sum-exp:
+#     M = max_c m_c,  l = sum_c e^(m_c - M) l_c,  out = sum_c e^(m_c - M) O_c / l,  lse = M + log l
+
+from libc.math cimport exp
+
+# keys per block: small enough that a block's V (96 x Ev floats) stays in L1 across the P·V
+# column panels (2 threads: Bk 64/128 reached 22.7/22.3 GB/s = DRAM bandwidth, 256 only
+# 19.1), a multiple of the 12-row key strip so fa_qk never copies a tail strip
+cdef ptrdiff_t DEC_BK = 96
+cdef ptrdiff_t DEC_RCAP = 192        # lanes per item (query rows of one KV group)
+cdef ptrdiff_t DEC_MIN_CHUNK = 1024  # do not split keys finer than this
+cdef bint DEC_USE_DOT = True
+
+
+def set_decode_options(ptrdiff_t bk=96, bint use_dot=True):
+    """Experimentation hook: keys per block, dot-product scores for <= 4 rows."""
+    global DEC_BK, DEC_USE_DOT
+    DEC_BK = bk
+    DEC_USE_DOT = use_dot
+
+
+cdef void dec_rows(AttnProblem *p, ptrdiff_t g, ptrdiff_t nrg, ptrdiff_t Rcap, ptrdiff_t *b,
+                   ptrdiff_t *hk, ptrdiff_t *r0, ptrdiff_t *rows) noexcept nogil:
+    cdef ptrdiff_t rg = g % nrg
+    b[0] = (g // nrg) // p.Hkv
+    hk[0] = (g // nrg) % p.Hkv
+    r0[0] = rg * Rcap
+    rows[0] = min(Rcap, p.G * p.L - r0[0])
+
+
+cdef void dec_item(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t it, ptrdiff_t nrg,
+                   ptrdiff_t Rcap, ptrdiff_t nsplit, ptrdiff_t chunk, floating *part_O,
+                   floating *part_ml) noexcept nogil:
+    cdef ptrdiff_t c = it % nsplit, g = it // nsplit
+    cdef ptrdiff_t b, hk, r0, rows, r, rr, h, i
+    dec_rows(p, g, nrg, Rcap, &b, &hk, &r0, &rows)
+    cdef int64_t pmin = p.q_offset + p.L, pmax = p.q_offset - 1
+    for r in range(rows):
+        rr = r0 + r
+        h = hk * p.G + rr // p.L
+        i = rr % p.L
+        set_lane(p, w, dummy, r, b, h, i)
+        pmin = min(pmin, w.pos[r])
+        pmax = max(pmax, w.pos[r])
+    cdef ptrdiff_t vw = k_vw(dummy)
+    cdef int pw_nv = 1 if rows <= vw else k_nv(dummy)
+    cdef ptrdiff_t W = round_up(rows, pw_nv * vw)
+    # <= 4 query rows: dot-product scores when the ISA has them (fa_decode_avx512.h)
+    cdef bint dot = rows <= 4 and k_has_dot(dummy) and DEC_USE_DOT
+    start_rows(p, w, dummy, rows, W, pw_nv * vw, dot)
+    cdef int64_t jlo = max(c * chunk, max(<int64_t>0, pmin - p.wl))
+    cdef int64_t jhi = min(min((c + 1) * chunk, <int64_t>p.S), pmax + p.wr + 1)
+    if jlo < jhi:
+        attend_rows(p, w, dummy, b, hk, rows, W, pw_nv, jlo, jhi, pmin, pmax,
+                    p.msh == 0 and p.msi == 0, dot)
+    if nsplit == 1:
+        finish_rows(p, w, dummy, rows)
+        return
+    cdef floating *O = <floating *>w.O
+    cdef floating *dst
+    cdef ptrdiff_t cc
+    for r in range(rows):
+        dst = part_O + (it * Rcap + r) * p.Ev
+        for cc in range(p.Ev):
+            dst[cc] = O[r * p.ldo + cc]
+        part_ml[(it * Rcap + r) * 2] = (<floating *>w.m)[r]
+        part_ml[(it * Rcap + r) * 2 + 1] = (<floating *>w.l)[r]
+
+
+cdef void dec_merge(AttnProblem *p, floating *dummy, ptrdiff_t g, ptrdiff_t nrg,
+                    ptrdiff_t Rcap, ptrdiff_t nsplit, const floating *part_O,
+                    const floating *part_ml) noexcept nogil:
+    cdef ptrdiff_t b, hk, r0, rows, r, rr, h, i, c, cc, it, Ev = p.Ev
+    cdef int64_t orow
+    cdef double M, lsum, f, mc
+    cdef floating *o
+    cdef const floating *src
+    cdef floating *lse = <floating *>p.lse
+    dec_rows(p, g, nrg, Rcap, &b, &hk, &r0, &rows)
+    for r in range(rows):
+        rr = r0 + r
+        h = hk * p.G + rr // p.L
+        i = rr % p.L
+        orow = (b * p.Hq + h) * p.L + i
+        o = <floating *>p.out + orow * Ev
+        M = -INFINITY
+        for c in range(nsplit):
+            mc = part_ml[((g * nsplit + c) * Rcap + r) * 2]
+            if mc > M:
+                M = mc
+        for cc in range(Ev):
+            o[cc] = 0
+        lsum = 0
+        if M != -INFINITY:
+            for c in range(nsplit):
+                it = g * nsplit + c
+                mc = part_ml[(it * Rcap + r) * 2]
+                if mc == -INFINITY:          # chunk saw no allowed key: contributes nothing
+                    continue
+                f = exp(mc - M)
+                lsum += f * part_ml[(it * Rcap + r) * 2 + 1]
+                src = part_O + (it * Rcap + r) * Ev
+                for cc in range(Ev):
+                    o[cc] += <floating>(f * src[cc])
+        if lsum > 0:
+            f = p.keep_scale / lsum
+            for cc in range(Ev):
+                o[cc] = <floating>(o[cc] * f)
+            lse[orow] = <floating>(M + log(lsum))
+        else:
+            for cc in range(Ev):
+                o[cc] = 0
+            lse[orow] = -INFINITY
+
+
+cdef int run_decode(AttnProblem *p, floating *dummy, int n_threads) noexcept nogil:
+    cdef ptrdiff_t R = p.G * p.L
+    cdef ptrdiff_t Rcap = min(R, DEC_RCAP)
+    cdef ptrdiff_t nrg = (R + Rcap - 1) // Rcap if R else 0
+    cdef ptrdiff_t n_groups = p.B * p.Hkv * nrg, it, g
+    if n_groups == 0:
+        return 0
+    cdef int nt = resolve_threads(n_threads, 1 << 30)
+    if <double>p.B * p.Hq * p.L * p.S * (p.E + p.Ev) * 2 < 8e6:
+        nt = 1                                   # see run_forward
+    # Enough items for the dynamic schedule to even out (the machines are shared: a thread
+    # that gets descheduled should leave little behind), but chunks of >= DEC_MIN_CHUNK keys.
+    cdef ptrdiff_t nsplit = 1
+    if n_groups < 8 * nt:
+        nsplit = min((8 * nt + n_groups - 1) // n_groups, max(<ptrdiff_t>1, p.S // DEC_MIN_CHUNK))
+    cdef ptrdiff_t chunk = round_up((p.S + nsplit - 1) // nsplit, DEC_BK) if p.S else 1
+    cdef ptrdiff_t n_items = n_groups * nsplit
+    nt = resolve_threads(nt, n_items)
+    p.Bk = DEC_BK
+    p.prefetch = True
+    p.Wcap = round_up(Rcap, k_nr(dummy)) + 16
+    p.lds = p.Wcap
+    p.ldo = round_up(p.Ev, k_vw(dummy)) if p.Ev > 0 else 1
+    cdef floating *part_O = NULL
+    cdef floating *part_ml = NULL
+    if nsplit > 1:
+        part_O = <floating *>malloc(n_items * Rcap * max(p.Ev, 1) * sizeof(floating))
+        part_ml = <floating *>malloc(n_items * Rcap * 2 * sizeof(floating))
+        if part_O == NULL or part_ml == NULL:
+            free(part_O)
+            free(part_ml)
+            return -1
+    cdef int fail = 0
+    cdef int *pfail = &fail
+    cdef Work *w = NULL
+    if nt == 1:
+        w = work_new(p, dummy)
+        if w == NULL:
+            fail = 1
+        else:
+            for it in range(n_items):
+                dec_item(p, w, dummy, it, nrg, Rcap, nsplit, chunk, part_O, part_ml)
+            work_free(w)
+    else:
+        with parallel(num_threads=nt):
+            w = work_new(p, dummy)
+            if w == NULL:
+                pfail[0] = 1
+            for it in prange(n_items, schedule='dynamic'):
+                if w != NULL:
+                    dec_item(p, w, dummy, it, nrg, Rcap, nsplit, chunk, part_O, part_ml)
+            work_free(w)
+    if nsplit > 1 and not fail:
+        for g in range(n_groups):
+            dec_merge(p, dummy, g, nrg, Rcap, nsplit, part_O, part_ml)
+    free(part_O)
+    free(part_ml)
+    return -fail
+
+
+def decode(const floating[:, :, :, ::1] q, const floating[:, :, :, ::1] k,
+           const floating[:, :, :, ::1] v, int mask_kind,
+           const uint8_t[:, :, :, ::1] mask_bool, const floating[:, :, :, ::1] mask_float,
+           bint has_alibi, const floating[:, ::1] alibi, double scale, double softcap,
+           int64_t q_offset, int64_t win_left, int64_t win_right, double dropout_p, seed,
+           floating[:, :, :, ::1] out, floating[:, :, ::1] lse, int n_threads=1):
+    """Decode-shaped attention (same arguments and results as forward)."""
+    cdef AttnProblem p
+    fill_problem(&p, shape4(q.shape), shape4(k.shape), shape4(v.shape), mask_kind, shape4(mask_bool.shape), shape4(mask_float.shape),
+                 has_alibi, (alibi.shape[0], alibi.shape[1]), softcap, q_offset, win_left,
+                 win_right, dropout_p, seed, shape4(out.shape), (lse.shape[0], lse.shape[1], lse.shape[2]))
+    if p.B * p.Hq * p.L == 0:
+        return
+    p.scale = scale
+    bind_arrays(&p, q, k, v, mask_bool, mask_float, alibi, out, lse)
+    cdef int rc
+    with nogil:
+        rc = run_decode(&p, <floating *>NULL, n_threads)
+    if rc != 0:
+        raise MemoryError("attention kernel: could not allocate decode scratch")

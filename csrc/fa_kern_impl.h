@@ -1,0 +1,540 @@
+/*
+ * fa_kern_impl.h -- SIMD primitives of the attention kernels, written ONCE with GCC/clang
+ * vector extensions and instantiated by fa_kernels.h for every (ISA, dtype) pair:
+ *
+ *   FA_T     float | double          FA_VW   lanes per vector
+ *   FA_MR    key rows per QK tile, query rows per PV tile (register blocking)
+ *   FA_NV    vectors per tile row    FA_SFX  name suffix       FA_ISF  1 for float
+ *   FA_ATTR  function attribute selecting the ISA (target("avx512f,...")) or nothing
+ *
+ * No include guard on purpose.  Every function carries FA_ATTR, so one extension module holds
+ * an AVX-512, an AVX2 and a baseline copy and picks one at import (fa_kernels.h).
+ *
+ * Layout ("transposed scores"): a work item is a block of W query rows ("lanes") against a
+ * block of n keys.  Scores are stored S[j][lane] (row j = key, stride lds), so
+ *   - Q·Kᵀ broadcasts K[j][e] straight from the caller's K (no packing of K, which is the
+ *     big operand), against Qt, the query block packed once per item as panels
+ *     Qt[panel][e][pw] (pw = nv*VW lanes);
+ *   - the online softmax works down columns: running max/sum/rescale are per-lane vectors
+ *     and need no horizontal reductions;
+ *   - P·V broadcasts P[j][lane] and loads V rows straight from the caller's V.
+ */
+
+#define FA_CAT_(a, b) a##b
+#define FA_CAT(a, b) FA_CAT_(a, b)
+#define FN(name) FA_CAT(name, FA_SFX)
+#define VT FA_CAT(fa_vt_, FA_SFX)
+#define VTU FA_CAT(fa_vtu_, FA_SFX)
+#define VI FA_CAT(fa_vi_, FA_SFX)
+#define NR (FA_NV * FA_VW)
+#define MRT (FA_MR / 3)          /* query rows per PV tile for the row tail */
+#define FA_INL static inline __attribute__((always_inline)) FA_ATTR
+#define FA_FN static FA_ATTR
+
+typedef FA_T VT __attribute__((vector_size(FA_VW * sizeof(FA_T))));
+/* same vector, element alignment only: dereferencing it is an unaligned load/store */
+typedef FA_T VTU __attribute__((vector_size(FA_VW * sizeof(FA_T)), aligned(sizeof(FA_T)), may_alias));
+typedef __typeof__((VT){0} < (VT){0}) VI;
+
+#define LD(p) ((VT)(*(const VTU *)(p)))
+#define ST(p, v) (*(VTU *)(p) = (v))
+/* x - 0 (not 0 + x): x - (+0) == x for every x incl. -0, so the compiler folds it into a
+ * plain broadcast; 0 + x would cost a real add per broadcast. */
+#define BC(x) ((FA_T)(x) - (VT){0})
+#define SEL(m, a, b) FA_VSEL(VT, VI, m, a, b)
+
+/* VMAX(a, b) = a < b ? b : a lane-wise.  It ignores a NaN in b (a < NaN is false): a NaN
+ * score then shows up in the exp and turns the row into NaN, as the dense reference does,
+ * instead of poisoning the max.  FA_HWMAX: the ISA's single max instruction with exactly
+ * these semantics (x86 maxps(b, a) returns a when either is NaN). */
+#ifdef FA_HWMAX
+FA_INL VT FN(fa_vmax_)(VT a, VT b) { return (VT)FA_HWMAX(b, a); }
+#else
+FA_INL VT FN(fa_vmax_)(VT a, VT b) { VI m = a < b; return SEL(m, b, a); }
+#endif
+#define VMAX FN(fa_vmax_)
+
+#if FA_ISF
+#define SEXP fa_expf
+#define T_NEG_INF (-__builtin_inff())
+#ifdef FA_HWSCALEF
+FA_DEFINE_VEXP_SCALEF(FN(fa_vexp_), FA_ATTR, VT, float, FA_HWSCALEF, FA_EXPF_MAGIC,
+                      FA_LOG2E_F, FA_LN2HI_F, FA_LN2LO_F, FA_EXPF_POLY)
+#else
+FA_DEFINE_VEXP(FN(fa_vexp_), FA_ATTR, VT, VI, float, VMAX, FA_EXPF_LO, FA_EXPF_MAGIC,
+               FA_EXPF_MAGIC_BITS, FA_LOG2E_F, FA_LN2HI_F, FA_LN2LO_F, FA_EXPF_POLY, 127, 23)
+#endif
+#else
+#define SEXP fa_expd
+#define T_NEG_INF (-__builtin_inf())
+#ifdef FA_HWSCALEF
+FA_DEFINE_VEXP_SCALEF(FN(fa_vexp_), FA_ATTR, VT, double, FA_HWSCALEF, FA_EXPD_MAGIC,
+                      FA_LOG2E_D, FA_LN2HI_D, FA_LN2LO_D, FA_EXPD_POLY)
+#else
+FA_DEFINE_VEXP(FN(fa_vexp_), FA_ATTR, VT, VI, double, VMAX, FA_EXPD_LO, FA_EXPD_MAGIC,
+               FA_EXPD_MAGIC_BITS, FA_LOG2E_D, FA_LN2HI_D, FA_LN2LO_D, FA_EXPD_POLY, 1023, 52)
+#endif
+#endif
+#define VEXP FN(fa_vexp_)
+
+/* ------------------------------------------------------------------ Q·Kᵀ ---------------- */
+/* One register tile: FA_MR key rows x (NVX*VW) query lanes, reduction over e.  NVX is a
+ * compile-time constant at every call site (always_inline), so acc[][] lives in registers:
+ * avx512/float uses 12 x 2 = 24 zmm accumulators + 2 loads + 1 broadcast.
+ * The reduction runs in chunks of FA_QK_CHUNK terms whose partial sums meet in S (as P·V
+ * does): one sequential chain over all of E=128 left the scores, and with large logits the
+ * outputs, up to 1.4x further from the float64 result than NumPy's (2-4 ulp on lse).  Costs
+ * one load/add/store per accumulator per extra chunk (~1.5% at E=64). */
+#define FA_QK_CHUNK 32
+FA_INL void FN(fa_qk_tile_)(const int NVX, const FA_T *Ks, ptrdiff_t ldk, const FA_T *Qp,
+                            ptrdiff_t E, FA_T *S, ptrdiff_t lds, FA_T *cmax, int jn,
+                            FA_T scale)
+{
+    VT acc[FA_MR][FA_NV];
+    ptrdiff_t e0 = 0;
+    do {
+        const ptrdiff_t e1 = E - e0 < FA_QK_CHUNK ? E : e0 + FA_QK_CHUNK;
+#pragma GCC unroll 16
+        for (int r = 0; r < FA_MR; r++)
+#pragma GCC unroll 4
+            for (int v = 0; v < NVX; v++) acc[r][v] = BC(0);
+        for (ptrdiff_t e = e0; e < e1; e++) {
+            VT b[FA_NV];
+#pragma GCC unroll 4
+            for (int v = 0; v < NVX; v++) b[v] = LD(Qp + e * (NVX * FA_VW) + v * FA_VW);
+#pragma GCC unroll 16
+            for (int r = 0; r < FA_MR; r++) {
+                VT a = BC(Ks[r * ldk + e]);
+#pragma GCC unroll 4
+                for (int v = 0; v < NVX; v++) acc[r][v] += a * b[v];
+            }
+        }
+        if (e1 < E) {                          /* park this chunk's partial sums in S */
+#pragma GCC unroll 16
+            for (int r = 0; r < FA_MR; r++)
+#pragma GCC unroll 4
+                for (int v = 0; v < NVX; v++) {
+                    FA_T *dst = S + r * lds + v * FA_VW;
+                    ST(dst, e0 ? LD(dst) + acc[r][v] : acc[r][v]);
+                }
+        } else if (e0) {                       /* last chunk: add the parked sums */
+#pragma GCC unroll 16
+            for (int r = 0; r < FA_MR; r++)
+#pragma GCC unroll 4
+                for (int v = 0; v < NVX; v++) acc[r][v] += LD(S + r * lds + v * FA_VW);
+        }
+        e0 = e1;
+    } while (e0 < E);
+    /* s = scale * (q . k), in that order (as the spec and a dense reference round it):
+     * folding the scale into Q instead added a rounding per term.  One multiply per
+     * accumulator. */
+    const VT sc = BC(scale);
+#pragma GCC unroll 16
+    for (int r = 0; r < FA_MR; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < NVX; v++) {
+            acc[r][v] *= sc;
+            ST(S + r * lds + v * FA_VW, acc[r][v]);
+        }
+    if (cmax) {
+        /* fused column max over the valid key rows (jn <= FA_MR): saves a pass over S */
+#pragma GCC unroll 4
+        for (int v = 0; v < NVX; v++) {
+            VT mx = LD(cmax + v * FA_VW);
+#pragma GCC unroll 16
+            for (int r = 0; r < FA_MR; r++)
+                if (r < jn) mx = VMAX(mx, acc[r][v]);
+            ST(cmax + v * FA_VW, mx);
+        }
+    }
+}
+
+/* S[j][lane] = scale * sum_e K[j][e] * Qt[lane][e] for j < n and lanes < W (W multiple of pw).
+ * K rows have stride ldk.  pw_nv = vectors per Qt panel (FA_NV, or 1 for narrow decode
+ * blocks).  The last key strip (< FA_MR rows) is copied into kpad (FA_MR x E, zero padded)
+ * so the tile never reads past K; S must have round_up(n, FA_MR) rows.  Panel-outer order:
+ * the Qt panel stays in L1 while the K block streams through broadcasts. */
+FA_FN void FN(fa_qk)(const FA_T *K, ptrdiff_t ldk, ptrdiff_t n, ptrdiff_t E, const FA_T *Qt,
+                     ptrdiff_t W, int pw_nv, FA_T *S, ptrdiff_t lds, FA_T *cmax, FA_T *kpad,
+                     FA_T scale)
+{
+    const ptrdiff_t pw = (ptrdiff_t)pw_nv * FA_VW;
+    const ptrdiff_t nfull = n - n % FA_MR;
+    if (nfull < n) {
+        ptrdiff_t jn = n - nfull;
+        for (ptrdiff_t r = 0; r < FA_MR; r++)
+            for (ptrdiff_t e = 0; e < E; e++)
+                kpad[r * E + e] = r < jn ? K[(nfull + r) * ldk + e] : (FA_T)0;
+    }
+    for (ptrdiff_t p0 = 0; p0 < W; p0 += pw) {
+        const FA_T *Qp = Qt + p0 * E;
+        FA_T *cm = cmax ? cmax + p0 : NULL;
+        for (ptrdiff_t j0 = 0; j0 < n; j0 += FA_MR) {
+            const FA_T *Ks = j0 < nfull ? K + j0 * ldk : kpad;
+            ptrdiff_t ld = j0 < nfull ? ldk : E;
+            int jn = (int)(n - j0 < FA_MR ? n - j0 : FA_MR);
+            if (pw_nv == FA_NV)
+                FN(fa_qk_tile_)(FA_NV, Ks, ld, Qp, E, S + j0 * lds + p0, lds, cm, jn, scale);
+            else
+                FN(fa_qk_tile_)(1, Ks, ld, Qp, E, S + j0 * lds + p0, lds, cm, jn, scale);
+        }
+    }
+}
+
+/* cmax[lane] = max(cmax[lane], max_j S[j][lane]) -- used when masks/bias changed S after Q·Kᵀ */
+FA_FN void FN(fa_colmax)(const FA_T *S, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, FA_T *cmax)
+{
+    for (ptrdiff_t i = 0; i < W; i += FA_VW) {
+        VT mx = LD(cmax + i);
+        for (ptrdiff_t j = 0; j < n; j++) mx = VMAX(mx, LD(S + j * lds + i));
+        ST(cmax + i, mx);
+    }
+}
+
+/* ------------------------------------------------------------ online softmax ------------ */
+/* Per lane: m_new = max(m, cmax); alpha = exp(m - m_new); P = exp(S - m_new) in place;
+ * l = l*alpha + sum_j P; m = m_new.  A lane whose keys are all -inf so far keeps m = -inf:
+ * it subtracts 0 instead (exp(-inf - 0) = 0, never -inf - -inf = NaN), so P = 0, l stays 0
+ * and the row ends as out = 0, lse = -inf. */
+/* The sum runs down a column (one lane per query row, n sequential adds), so it is
+ * compensated (Kahan): a plain float32 running sum over a 1000-key row drifted ~1e-6 relative,
+ * beyond the tolerance of 2x a pairwise-summing NumPy reference.  3 extra adds per vector. */
+FA_INL void FN(fa_softmax_group_)(const int G, FA_T *S, ptrdiff_t lds, ptrdiff_t n,
+                                  const FA_T *cmax, FA_T *m, FA_T *l, FA_T *alpha)
+{
+    VT mu[4], sum[4], comp[4];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; g++) {
+        VT mo = LD(m + g * FA_VW);
+        VT mn = VMAX(mo, LD(cmax + g * FA_VW));
+        ST(m + g * FA_VW, mn);
+        VI dead = mn == BC(T_NEG_INF);
+        mu[g] = SEL(dead, BC(0), mn);
+        ST(alpha + g * FA_VW, VEXP(mo - mu[g]));
+        sum[g] = BC(0);
+        comp[g] = BC(0);
+    }
+    for (ptrdiff_t j = 0; j < n; j++) {
+        FA_T *row = S + j * lds;
+#pragma GCC unroll 4
+        for (int g = 0; g < G; g++) {
+            VT p = VEXP(LD(row + g * FA_VW) - mu[g]);
+            ST(row + g * FA_VW, p);
+            VT y = p - comp[g];
+            VT t = sum[g] + y;
+            comp[g] = (t - sum[g]) - y;
+            sum[g] = t;
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < G; g++)
+        ST(l + g * FA_VW, LD(l + g * FA_VW) * LD(alpha + g * FA_VW) + (sum[g] - comp[g]));
+}
+
+FA_FN void FN(fa_softmax)(FA_T *S, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, const FA_T *cmax,
+                          FA_T *m, FA_T *l, FA_T *alpha)
+{
+    ptrdiff_t i = 0;
+    for (; i + 4 * FA_VW <= W; i += 4 * FA_VW)
+        FN(fa_softmax_group_)(4, S + i, lds, n, cmax + i, m + i, l + i, alpha + i);
+    for (; i < W; i += FA_VW)
+        FN(fa_softmax_group_)(1, S + i, lds, n, cmax + i, m + i, l + i, alpha + i);
+}
+
+/* ------------------------------------------------------------------ P·V ----------------- */
+/* O[r][:] = alpha[r]*O[r][:] + sum_j P[j][r] * V[j][:] for MRX query rows and NVX*VW
+ * columns.  Summation order matters for float32: one register accumulator per output running
+ * over all keys made the error grow like sqrt(S) (3.4x NumPy's at S = 4096).  So the keys
+ * are summed in chunks of FA_PV_CHUNK into fresh registers and each chunk is added to O in
+ * memory (O was rescaled by alpha first): ~3% more work in P·V, about half the error. */
+#define FA_PV_CHUNK 32
+FA_INL void FN(fa_pv_tile_)(const int MRX, const int NVX, const FA_T *P, ptrdiff_t ldp,
+                            ptrdiff_t n, const FA_T *V, ptrdiff_t ldv, FA_T *O, ptrdiff_t ldo,
+                            const FA_T *alpha)
+{
+#pragma GCC unroll 16
+    for (int r = 0; r < MRX; r++) {
+        VT a = BC(alpha[r]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NVX; v++)
+            ST(O + r * ldo + v * FA_VW, LD(O + r * ldo + v * FA_VW) * a);
+    }
+    for (ptrdiff_t j0 = 0; j0 < n; j0 += FA_PV_CHUNK) {
+        const ptrdiff_t j1 = n - j0 < FA_PV_CHUNK ? n : j0 + FA_PV_CHUNK;
+        VT acc[FA_MR][FA_NV];
+#pragma GCC unroll 16
+        for (int r = 0; r < MRX; r++)
+#pragma GCC unroll 4
+            for (int v = 0; v < NVX; v++) acc[r][v] = BC(0);
+        for (ptrdiff_t j = j0; j < j1; j++) {
+            VT b[FA_NV];
+#pragma GCC unroll 4
+            for (int v = 0; v < NVX; v++) b[v] = LD(V + j * ldv + v * FA_VW);
+#pragma GCC unroll 16
+            for (int r = 0; r < MRX; r++) {
+                VT p = BC(P[j * ldp + r]);
+#pragma GCC unroll 4
+                for (int v = 0; v < NVX; v++) acc[r][v] += p * b[v];
+            }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < MRX; r++)
+#pragma GCC unroll 4
+            for (int v = 0; v < NVX; v++)
+                ST(O + r * ldo + v * FA_VW, LD(O + r * ldo + v * FA_VW) + acc[r][v]);
+    }
+}
+
+FA_INL void FN(fa_pv_rows_)(const int MRX, const FA_T *P, ptrdiff_t ldp, ptrdiff_t n,
+                            const FA_T *V, ptrdiff_t ldv, ptrdiff_t Ev, FA_T *O, ptrdiff_t ldo,
+                            const FA_T *alpha)
+{
+    ptrdiff_t c = 0;
+    for (; c + NR <= Ev; c += NR)
+        FN(fa_pv_tile_)(MRX, FA_NV, P, ldp, n, V + c, ldv, O + c, ldo, alpha);
+    for (; c + FA_VW <= Ev; c += FA_VW)
+        FN(fa_pv_tile_)(MRX, 1, P, ldp, n, V + c, ldv, O + c, ldo, alpha);
+    if (c < Ev) {  /* fewer than VW columns left (odd head dims): scalar */
+        for (int r = 0; r < MRX; r++) {
+            FA_T *o = O + r * ldo;
+            for (ptrdiff_t cc = c; cc < Ev; cc++) {
+                FA_T tot = o[cc] * alpha[r];
+                for (ptrdiff_t j0 = 0; j0 < n; j0 += FA_PV_CHUNK) {
+                    FA_T acc = 0;
+                    for (ptrdiff_t j = j0; j < n && j < j0 + FA_PV_CHUNK; j++)
+                        acc += P[j * ldp + r] * V[j * ldv + cc];
+                    tot += acc;
+                }
+                o[cc] = tot;
+            }
+        }
+    }
+}
+
+/* Rows [0, rows) in tiles of FA_MR, then FA_MR/3.  Lanes up to round_up(rows, FA_MR/3) are
+ * touched: callers size P/O/alpha with a few lanes of slack. */
+FA_FN void FN(fa_pv)(const FA_T *P, ptrdiff_t ldp, ptrdiff_t n, const FA_T *V, ptrdiff_t ldv,
+                     ptrdiff_t Ev, FA_T *O, ptrdiff_t ldo, const FA_T *alpha, ptrdiff_t rows)
+{
+    ptrdiff_t r = 0;
+    for (; r + FA_MR <= rows; r += FA_MR)
+        FN(fa_pv_rows_)(FA_MR, P + r, ldp, n, V, ldv, Ev, O + r * ldo, ldo, alpha + r);
+    for (; r < rows; r += MRT)
+        FN(fa_pv_rows_)(MRT, P + r, ldp, n, V, ldv, Ev, O + r * ldo, ldo, alpha + r);
+}
+
+/* Exact P·V for a key block whose V holds Inf/NaN: zero weights are skipped, so a NaN under
+ * a masked key cannot turn into 0*NaN = NaN.  Rare and slow on purpose. */
+FA_FN void FN(fa_pv_exact)(const FA_T *P, ptrdiff_t ldp, ptrdiff_t n, const FA_T *V,
+                           ptrdiff_t ldv, ptrdiff_t Ev, FA_T *O, ptrdiff_t ldo,
+                           const FA_T *alpha, ptrdiff_t rows)
+{
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        FA_T *o = O + r * ldo;
+        for (ptrdiff_t c = 0; c < Ev; c++) {
+            FA_T tot = o[c] * alpha[r];
+            for (ptrdiff_t j0 = 0; j0 < n; j0 += FA_PV_CHUNK) {
+                FA_T acc = 0;
+                for (ptrdiff_t j = j0; j < n && j < j0 + FA_PV_CHUNK; j++) {
+                    FA_T p = P[j * ldp + r];
+                    if (p != (FA_T)0) acc += p * V[j * ldv + c];
+                }
+                tot += acc;
+            }
+            o[c] = tot;
+        }
+    }
+}
+
+/* 1 if x[0:n] holds no Inf/NaN: x*0 is 0 for finite x and NaN otherwise. */
+FA_FN int FN(fa_allfinite)(const FA_T *x, ptrdiff_t n)
+{
+    VT acc = BC(0);
+    ptrdiff_t i = 0;
+    for (; i + FA_VW <= n; i += FA_VW) acc += LD(x + i) * (FA_T)0;
+    FA_T s = 0;
+    for (; i < n; i++) s += x[i] * (FA_T)0;
+    for (int k = 0; k < FA_VW; k++) s += acc[k];
+    return s == s;
+}
+
+/* ------------------------------------------------------- score modifiers ---------------- */
+/* Plain loops over the contiguous lane dimension: the compiler vectorizes them for the
+ * function's target ISA.  All of them touch only rows j < n and lanes < W. */
+
+#if FA_ISF
+/* float softcap evaluated in double, rounded once at the end: cap * tanh(s / cap) with
+ * tanh = (1-e)/(1+e), e = exp(-2|x|), and x - x^3/3 near 0 where 1-e cancels.  Branch-free,
+ * so the loop vectorizes. */
+FA_INL float FN(fa_softcap_f_)(float sf, double cap)
+{
+    double x = (double)sf / cap, ax = x < 0 ? -x : x;
+    double e = fa_expd(-2.0 * ax);
+    double t = (1.0 - e) / (1.0 + e);
+    t = ax < 1e-4 ? ax - ax * ax * ax * (1.0 / 3.0) : t;
+    return (float)(cap * (x < 0 ? -t : t));
+}
+#endif
+
+FA_FN void FN(fa_softcap)(FA_T *S, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, FA_T cap)
+{
+    for (ptrdiff_t j = 0; j < n; j++) {
+        FA_T *s = S + j * lds;
+        for (ptrdiff_t i = 0; i < W; i++)
+#if FA_ISF
+            s[i] = FN(fa_softcap_f_)(s[i], (double)cap);
+#else
+            s[i] = cap * tanh(s[i] / cap);   /* libm: float64 needs full precision */
+#endif
+    }
+}
+
+/* s -= slope * |pos - j| */
+FA_FN void FN(fa_alibi)(FA_T *S, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, int64_t j0,
+                        const int64_t *pos, const FA_T *slope)
+{
+    for (ptrdiff_t j = 0; j < n; j++) {
+        FA_T *s = S + j * lds;
+        int64_t jj = j0 + j;
+        for (ptrdiff_t i = 0; i < W; i++) {
+            int64_t d = pos[i] - jj;
+            d = d < 0 ? -d : d;
+            s[i] -= slope[i] * (FA_T)d;
+        }
+    }
+}
+
+/* float mask: s = -inf if mf == -inf else s + mf, mf = M[moff[lane] + (j0+j)*msj].
+ * uniform: every lane reads moff[0] (mask broadcast over query rows/heads) */
+FA_FN void FN(fa_maskf)(FA_T *S, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, int64_t j0,
+                        const FA_T *M, const int64_t *moff, int64_t msj, int uniform)
+{
+    for (ptrdiff_t j = 0; j < n; j++) {
+        FA_T *s = S + j * lds;
+        int64_t jo = (j0 + j) * msj;
+        if (uniform) {
+            FA_T mf = M[moff[0] + jo];
+            if (mf == T_NEG_INF)
+                for (ptrdiff_t i = 0; i < W; i++) s[i] = T_NEG_INF;
+            else
+                for (ptrdiff_t i = 0; i < W; i++) s[i] += mf;
+        } else {
+            for (ptrdiff_t i = 0; i < W; i++) {
+                FA_T mf = M[moff[i] + jo];
+                s[i] = mf == T_NEG_INF ? T_NEG_INF : s[i] + mf;
+            }
+        }
+    }
+}
+
+/* bool keep-mask: s = -inf where M[...] == 0 */
+FA_FN void FN(fa_maskb)(FA_T *S, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, int64_t j0,
+                        const uint8_t *M, const int64_t *moff, int64_t msj, int uniform)
+{
+    for (ptrdiff_t j = 0; j < n; j++) {
+        FA_T *s = S + j * lds;
+        int64_t jo = (j0 + j) * msj;
+        if (uniform) {
+            if (M[moff[0] + jo] == 0)
+                for (ptrdiff_t i = 0; i < W; i++) s[i] = T_NEG_INF;
+        } else {
+            for (ptrdiff_t i = 0; i < W; i++)
+                s[i] = M[moff[i] + jo] ? s[i] : T_NEG_INF;
+        }
+    }
+}
+
+/* causal / sliding window: key j allowed iff pos - wl <= j <= pos + wr */
+FA_FN void FN(fa_window)(FA_T *S, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, int64_t j0,
+                         const int64_t *pos, int64_t wl, int64_t wr)
+{
+    for (ptrdiff_t j = 0; j < n; j++) {
+        FA_T *s = S + j * lds;
+        int64_t jj = j0 + j;
+        for (ptrdiff_t i = 0; i < W; i++)
+            s[i] = (jj < pos[i] - wl || jj > pos[i] + wr) ? T_NEG_INF : s[i];
+    }
+}
+
+/* dropout on the weights: P = 0 where bits(seed, bh, i, j) < thresh (spec hash; rk[lane] is
+ * row_key(seed, bh, i) precomputed per lane).  The 1/(1-p) factor is applied at the end. */
+FA_FN void FN(fa_dropout)(FA_T *P, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, int64_t j0,
+                          const uint32_t *rk, uint32_t thresh)
+{
+    for (ptrdiff_t j = 0; j < n; j++) {
+        FA_T *p = P + j * lds;
+        uint32_t jc = (uint32_t)(j0 + j) * 0x9E3779B1u;
+        for (ptrdiff_t i = 0; i < W; i++) {
+            uint32_t x = rk[i] ^ jc;
+            x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; x ^= x >> 16;
+            p[i] = x < thresh ? (FA_T)0 : p[i];
+        }
+    }
+}
+
+/* --------------------------------------------------------- standalone softmax ----------- */
+/* One row: out = softmax(x) over kept entries (mask NULL = all kept); masked -> 0; a row with
+ * nothing kept, or only -inf, -> all zeros.  Three passes over an L1/L2 row. */
+FA_FN void FN(fa_softmax_row)(const FA_T *x, const uint8_t *mask, FA_T *out, ptrdiff_t n)
+{
+    ptrdiff_t i;
+    if (mask)
+        for (i = 0; i < n; i++) out[i] = mask[i] ? x[i] : T_NEG_INF;
+    else if (out != x)
+        for (i = 0; i < n; i++) out[i] = x[i];
+    VT mv = BC(T_NEG_INF);
+    for (i = 0; i + FA_VW <= n; i += FA_VW) mv = VMAX(mv, LD(out + i));
+    FA_T m = T_NEG_INF;
+    for (int k = 0; k < FA_VW; k++) m = m < mv[k] ? mv[k] : m;
+    for (; i < n; i++) m = m < out[i] ? out[i] : m;
+    if (m == T_NEG_INF) {
+        for (i = 0; i < n; i++) out[i] = 0;
+        return;
+    }
+    VT sv = BC(0), cv = BC(0);               /* compensated, as in fa_softmax_group_ */
+    for (i = 0; i + FA_VW <= n; i += FA_VW) {
+        VT p = VEXP(LD(out + i) - m);
+        ST(out + i, p);
+        VT y = p - cv, t = sv + y;
+        cv = (t - sv) - y;
+        sv = t;
+    }
+    sv -= cv;
+    FA_T s = 0;
+    for (; i < n; i++) { out[i] = SEXP(out[i] - m); s += out[i]; }
+    for (int k = 0; k < FA_VW; k++) s += sv[k];
+    FA_T inv = (FA_T)1 / s;
+    for (i = 0; i < n; i++) out[i] *= inv;
+}
+
+/* ---------------------------------------------------------------- ops table ------------- */
+static const FA_CAT(fa_ops_, FA_TS) FA_CAT(fa_ops_, FA_SFX) = {
+    FA_VW, FA_MR, FA_NV, FA_STR(FA_SFX),
+    FN(fa_qk), FN(fa_colmax), FN(fa_softmax), FN(fa_pv), FN(fa_pv_exact), FN(fa_allfinite),
+    FN(fa_softcap), FN(fa_alibi), FN(fa_maskf), FN(fa_maskb), FN(fa_window), FN(fa_dropout),
+    FN(fa_softmax_row),
+#ifdef FA_QK_DOT
+    FA_QK_DOT,
+#else
+    NULL,
+#endif
+};
+
+#undef FN
+#undef VT
+#undef VTU
+#undef VI
+#undef NR
+#undef MRT
+#undef FA_PV_CHUNK
+#undef FA_QK_CHUNK
+#undef FA_INL
+#undef FA_FN
+#undef LD
+#undef ST
+#undef BC
+#undef SEL
+#undef SEXP
+#undef T_NEG_INF
+#undef VEXP
+#undef VMAX

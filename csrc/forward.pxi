@@ -1,0 +1,418 @@
+# FlashAttention-2 forward.
+#
+# Work item = (batch*head, query block of Bq rows).  One OpenMP loop over the flattened items
+# (dynamic schedule: causal items differ in cost); per-thread scratch from fa_scratch.h.
+# Per item, for each key block of Bk keys inside the causal/window band:
+#     S  = Q_blk · K_blkᵀ        (fa_qk, stored transposed: S[key][query lane])
+#     score modifiers            (softcap, ALiBi, float mask, bool mask, window edge)
+#     online softmax             (running max m, sum l, rescale factor alpha per query)
+#     dropout on P               (spec hash)
+#     O  = alpha*O + P · V_blk   (fa_pv; exact zero-skipping variant if V has Inf/NaN)
+# then out = O / l, lse = m + log l.  Blocks wholly outside the band are never visited, so
+# their K/V are never read.  The same row-block engine (attend_rows) serves decode.pxi.
+
+ctypedef struct AttnProblem:
+    const char *q
+    const char *k
+    const char *v
+    char *out
+    char *lse
+    const uint8_t *mask_b
+    const char *mask_f
+    const char *alibi
+    ptrdiff_t B, Hq, Hkv, G, L, S, E, Ev
+    int mask_kind
+    int64_t msb, msh, msi, msj       # element strides of the active mask (0 = broadcast)
+    int has_alibi
+    int64_t alibi_bs                 # 0 when alibi is (1, Hq)
+    double scale                     # applied to each finished dot product (fa_qk epilogue)
+    double softcap
+    int64_t q_offset, wl, wr
+    int has_dropout
+    uint32_t seed, thresh
+    double keep_scale                # 1 / (1 - dropout_p)
+    ptrdiff_t Bk                     # keys per block
+    bint prefetch                    # software-prefetch the next K/V block (decode streams
+                                     # K/V from DRAM once; forward re-reads them from L2)
+    ptrdiff_t Wcap                   # lane capacity of the scratch (query rows per item + slack)
+    ptrdiff_t lds, ldo               # row strides of S and of the accumulator O
+
+
+# Block sizes.  The inner loop is flat (127-142 GF/s/core) for Bq 96..384 x Bk 128..512
+# (NOTES.md), so Bq is set by the other costs: causal/banded problems compute the upper
+# triangle of each diagonal block for nothing (a fraction Bq/L of the work), so they use 96;
+# otherwise 192 halves the per-item overheads (Qt packing, lane setup).  Multiples of 96 =
+# lcm of the tile sizes (12 rows x 32 lanes) of every ISA copy.
+cdef ptrdiff_t FWD_BQ = 192
+cdef ptrdiff_t FWD_BQ_BANDED = 96
+cdef ptrdiff_t FWD_BK = 256
+
+def set_blocks(ptrdiff_t bq, ptrdiff_t bk, ptrdiff_t bq_banded=96):
+    """Experimentation hook: query rows per item (multiples of 96) and keys per block."""
+    global FWD_BQ, FWD_BK, FWD_BQ_BANDED
+    if bq <= 0 or bq % 96 or bq_banded <= 0 or bq_banded % 96 or bk <= 0:
+        raise ValueError("bq must be a positive multiple of 96, bk positive")
+    FWD_BQ = bq
+    FWD_BQ_BANDED = bq_banded
+    FWD_BK = bk
+
+
+ctypedef struct Work:                # per-thread scratch, one buffer (fa_scratch.h)
+    char *base
+    char *Qt                         # packed query block, panels [W/pw][E][pw]
+    char *S                          # scores / weights, [round_up(Bk, MR)][lds]
+    char *O                          # accumulator, [Wcap][ldo]
+    char *m
+    char *l
+    char *alpha
+    char *cmax
+    char *slope
+    char *kpad                       # last partial strip of K rows, [MR][E]
+    int64_t *pos                     # query position (i + q_offset) per lane
+    int64_t *moff                    # mask offset of row (b, h, i) per lane
+    int64_t *orow                    # global query row (b*Hq + h)*L + i per lane
+    uint32_t *rk                     # dropout row key per lane
+
+
+cdef inline size_t _al(size_t x) noexcept nogil:
+    return (x + 63) & ~(<size_t>63)
+
+cdef Work *work_new(AttnProblem *p, floating *dummy) noexcept nogil:
+    cdef size_t t = sizeof(floating)
+    cdef ptrdiff_t mr = k_mr(dummy)
+    cdef size_t sz[14]
+    # Qt: panels of Wcap lanes, or 4 rows of stride round_up(E, 16) for fa_qk_dot
+    sz[0] = _al(max(p.Wcap * p.E, 4 * round_up(p.E, 16)) * t)
+    sz[1] = _al(round_up(p.Bk, mr) * p.lds * t)
+    sz[2] = _al(p.Wcap * p.ldo * t)
+    sz[3] = sz[4] = sz[5] = sz[6] = sz[7] = _al(p.Wcap * t)
+    sz[8] = _al(mr * p.E * t + t)
+    sz[9] = sz[10] = sz[11] = _al(p.Wcap * 8)
+    sz[12] = _al(p.Wcap * 4)
+    sz[13] = _al(sizeof(Work))
+    cdef size_t total = 64, i
+    for i in range(14):
+        total += sz[i]
+    cdef char *base = <char *>fa_scratch_get(total)
+    if base == NULL:
+        return NULL
+    # Not zeroed as a whole: every buffer is written before it is read (Qt/m/l/O per item,
+    # S by fa_qk/fa_qk_dot, alpha by softmax).  Only the small per-lane arrays are cleared.
+    cdef char *c = <char *>(((<size_t>base) + 63) & ~(<size_t>63))
+    cdef Work *w = <Work *>c
+    c += sz[13]
+    w.base = base
+    w.Qt = c; c += sz[0]
+    w.S = c; c += sz[1]
+    w.O = c; c += sz[2]
+    w.m = c; c += sz[3]
+    w.l = c; c += sz[4]
+    w.alpha = c; c += sz[5]
+    w.cmax = c; c += sz[6]
+    w.slope = c; c += sz[7]
+    w.kpad = c; c += sz[8]
+    w.pos = <int64_t *>c; c += sz[9]
+    w.moff = <int64_t *>c; c += sz[10]
+    w.orow = <int64_t *>c; c += sz[11]
+    w.rk = <uint32_t *>c
+    memset(w.slope, 0, sz[7])
+    memset(w.pos, 0, sz[9] + sz[10] + sz[11] + sz[12])
+    return w
+
+cdef inline void work_free(Work *w) noexcept nogil:
+    if w != NULL:
+        fa_scratch_release(w.base)
+
+
+cdef inline void set_lane(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t r, ptrdiff_t b,
+                          ptrdiff_t h, ptrdiff_t i) noexcept nogil:
+    w.pos[r] = i + p.q_offset
+    w.moff[r] = b * p.msb + h * p.msh + i * p.msi
+    w.orow[r] = (b * p.Hq + h) * p.L + i
+    if p.has_alibi:
+        (<floating *>w.slope)[r] = (<const floating *>p.alibi)[b * p.alibi_bs + h]
+    if p.has_dropout:
+        w.rk[r] = fa_row_key(p.seed, <uint32_t>(b * p.Hq + h), <uint32_t>i)
+
+
+cdef void start_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t rows, ptrdiff_t W,
+                     ptrdiff_t pw, bint dot) noexcept nogil:
+    """Lanes [0, rows) are set (set_lane).  Copy lane 0 into the padding lanes (so masks and
+    positions stay in bounds), pack Qt (panels, or for the dot-product decode kernel plain
+    rows of stride round_up(E, 16)), reset m/l/O."""
+    cdef ptrdiff_t r, e, E = p.E
+    cdef floating *Qt = <floating *>w.Qt
+    cdef floating *m = <floating *>w.m
+    cdef floating *l = <floating *>w.l
+    cdef floating *O = <floating *>w.O
+    cdef floating *dst
+    cdef const floating *src
+    for r in range(rows, p.Wcap):
+        w.pos[r] = w.pos[0]
+        w.moff[r] = w.moff[0]
+        w.orow[r] = w.orow[0]
+        (<floating *>w.slope)[r] = (<floating *>w.slope)[0]
+        w.rk[r] = w.rk[0]
+    cdef ptrdiff_t ldq = round_up(E, 16)
+    if dot:
+        memset(Qt, 0, 4 * ldq * sizeof(floating))
+        # fa_qk_dot writes only the real lanes; keep the padding lanes finite (garbage could
+        # be NaN or, worse for speed, denormal -> microcode assists in the softmax)
+        memset(w.S, 0, round_up(p.Bk, k_mr(dummy)) * p.lds * sizeof(floating))
+        for r in range(rows):
+            src = <const floating *>p.q + w.orow[r] * E
+            for e in range(E):
+                Qt[r * ldq + e] = src[e]
+    for r in range(0 if dot else W):
+        dst = Qt + (r // pw) * pw * E + r % pw
+        if r < rows:
+            src = <const floating *>p.q + w.orow[r] * E
+            for e in range(E):
+                dst[e * pw] = src[e]
+        else:
+            for e in range(E):
+                dst[e * pw] = 0
+    for r in range(p.Wcap):
+        m[r] = -INFINITY
+        l[r] = 0
+    memset(O, 0, p.Wcap * p.ldo * sizeof(floating))
+
+
+cdef void attend_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, ptrdiff_t hk,
+                      ptrdiff_t rows, ptrdiff_t W, int pw_nv, int64_t jlo, int64_t jhi,
+                      int64_t pmin, int64_t pmax, int uniform, bint dot) noexcept nogil:
+    """Run keys [jlo, jhi) of kv head (b, hk) against the started lanes, block by block."""
+    cdef const floating *K = <const floating *>p.k + (b * p.Hkv + hk) * p.S * p.E
+    cdef const floating *V = <const floating *>p.v + (b * p.Hkv + hk) * p.S * p.Ev
+    cdef floating *S = <floating *>w.S
+    cdef floating *cmax = <floating *>w.cmax
+    cdef ptrdiff_t E = p.E, Ev = p.Ev, lds = p.lds, n, i
+    cdef int64_t j0 = jlo
+    cdef bint win_partial, masked, clean, exact
+    cdef ptrdiff_t n2
+    while j0 < jhi:
+        n = p.Bk if jhi - j0 > p.Bk else jhi - j0
+        n2 = min(p.Bk, jhi - j0 - n)             # the next block, fetched while this one runs
+        if p.prefetch and n2 > 0:
+            fa_prefetch(K + (j0 + n) * E, n2 * E * sizeof(floating))
+            fa_prefetch(V + (j0 + n) * Ev, n2 * Ev * sizeof(floating))
+        # does the window/causal band cut through this block for some lane?
+        win_partial = j0 < pmax - p.wl or j0 + n - 1 > pmin + p.wr
+        masked = p.mask_kind != 0 or win_partial
+        clean = not masked and p.softcap == 0 and not p.has_alibi
+        for i in range(W):
+            cmax[i] = -INFINITY
+        if dot:
+            k_qk_dot(K + j0 * E, E, n, E, <const floating *>w.Qt, round_up(E, 16),
+                     <int>rows, S, lds, p.scale)
+        else:
+            k_qk(K + j0 * E, E, n, E, <const floating *>w.Qt, W, pw_nv, S, lds,
+                 cmax if clean else NULL, <floating *>w.kpad, p.scale)
+        if dot or not clean:
+            # spec order: softcap, ALiBi, float mask, bool mask, window (the last three
+            # replace by -inf, so NaN scores of masked keys cannot survive)
+            if p.softcap > 0:
+                k_softcap(S, lds, n, W, p.softcap)
+            if p.has_alibi:
+                k_alibi(S, lds, n, W, j0, w.pos, <const floating *>w.slope)
+            if p.mask_kind == 2:
+                k_maskf(S, lds, n, W, j0, <const floating *>p.mask_f, w.moff, p.msj, uniform)
+            elif p.mask_kind == 1:
+                k_maskb(S, lds, n, W, j0, p.mask_b, w.moff, p.msj, uniform)
+            if win_partial:
+                k_window(S, lds, n, W, j0, w.pos, p.wl, p.wr)
+            k_colmax(S, lds, n, W, cmax)
+        k_softmax(S, lds, n, W, cmax, <floating *>w.m, <floating *>w.l, <floating *>w.alpha)
+        if p.has_dropout:
+            k_dropout(S, lds, n, W, j0, w.rk, p.thresh)
+        # 0 * NaN = NaN in the tile product: when some weight may be an exact 0 (masking,
+        # dropout) and this V block holds Inf/NaN, take the zero-skipping path.
+        exact = (masked or p.has_dropout) and not k_allfinite(V + j0 * Ev, n * Ev)
+        k_pv(S, lds, n, V + j0 * Ev, Ev, Ev, <floating *>w.O, p.ldo,
+             <const floating *>w.alpha, rows, exact)
+        j0 += n
+
+
+cdef void finish_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t rows) noexcept nogil:
+    """out = O / l (times the dropout rescale), lse = m + log l; l == 0 -> 0 and -inf."""
+    cdef ptrdiff_t r, c, Ev = p.Ev
+    cdef floating *O = <floating *>w.O
+    cdef floating *m = <floating *>w.m
+    cdef floating *l = <floating *>w.l
+    cdef floating *o
+    cdef floating *lse = <floating *>p.lse
+    cdef double inv
+    for r in range(rows):
+        o = <floating *>p.out + w.orow[r] * Ev
+        if l[r] > 0:
+            # in double: one rounding per output element (float32: O * (1/l) rounded twice)
+            inv = p.keep_scale / l[r]
+            for c in range(Ev):
+                o[c] = <floating>(O[r * p.ldo + c] * inv)
+            lse[w.orow[r]] = m[r] + log(l[r])
+        else:
+            for c in range(Ev):
+                o[c] = 0
+            lse[w.orow[r]] = -INFINITY
+
+
+cdef void fwd_item(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t it, ptrdiff_t Bq,
+                   ptrdiff_t nqb, bint longest_first) noexcept nogil:
+    cdef ptrdiff_t bh = it // nqb, qb = it % nqb, r
+    if longest_first:
+        # causal: later query blocks see more keys; hand them out first (dynamic schedule)
+        qb = nqb - 1 - qb
+    cdef ptrdiff_t b = bh // p.Hq, h = bh % p.Hq, hk = h // p.G
+    cdef ptrdiff_t i0 = qb * Bq
+    cdef ptrdiff_t rows = Bq if p.L - i0 > Bq else p.L - i0
+    cdef ptrdiff_t pw = k_nr(dummy)
+    cdef ptrdiff_t W = round_up(rows, pw)
+    for r in range(rows):
+        set_lane(p, w, dummy, r, b, h, i0 + r)
+    start_rows(p, w, dummy, rows, W, pw, False)
+    cdef int64_t pmin = i0 + p.q_offset, pmax = i0 + rows - 1 + p.q_offset
+    cdef int64_t jlo = pmin - p.wl, jhi = pmax + p.wr + 1
+    if jlo < 0:
+        jlo = 0
+    if jhi > p.S:
+        jhi = p.S
+    if jlo < jhi:
+        attend_rows(p, w, dummy, b, hk, rows, W, k_nv(dummy), jlo, jhi, pmin, pmax,
+                    p.msi == 0, False)
+    finish_rows(p, w, dummy, rows)
+
+
+cdef int run_forward(AttnProblem *p, floating *dummy, int n_threads) noexcept nogil:
+    cdef bint banded = p.wl + p.wr + 1 < p.S     # causal / sliding window: item costs differ
+    cdef ptrdiff_t Bq = FWD_BQ_BANDED if banded else FWD_BQ
+    cdef ptrdiff_t nqb = (p.L + Bq - 1) // Bq
+    cdef ptrdiff_t n_items = p.B * p.Hq * nqb, it
+    cdef int fail = 0
+    cdef int *pfail = &fail
+    cdef Work *w = NULL
+    cdef bint lf = banded
+    p.Bk = FWD_BK
+    p.prefetch = False
+    p.Wcap = round_up(Bq if Bq < p.L else p.L, k_nr(dummy)) + 16
+    p.lds = p.Wcap
+    p.ldo = round_up(p.Ev, k_vw(dummy)) if p.Ev > 0 else 1
+    if n_items == 0:
+        return 0
+    cdef int nt = resolve_threads(n_threads, n_items)
+    # below ~8 MFLOP (~60 us on one core) waking a second thread costs more than it saves
+    cdef double band = <double>min(p.S, p.wl + p.wr + 1)
+    if <double>p.B * p.Hq * p.L * band * (p.E + p.Ev) * 2 < 8e6:
+        nt = 1
+    if nt == 1:
+        w = work_new(p, dummy)
+        if w == NULL:
+            return -1
+        for it in range(n_items):
+            fwd_item(p, w, dummy, it, Bq, nqb, lf)
+        work_free(w)
+        return 0
+    with parallel(num_threads=nt):
+        w = work_new(p, dummy)
+        if w == NULL:
+            pfail[0] = 1
+        for it in prange(n_items, schedule='dynamic'):
+            if w != NULL:
+                fwd_item(p, w, dummy, it, Bq, nqb, lf)
+        work_free(w)
+    return -fail
+
+
+# ---- Python entry ---------------------------------------------------------------------------
+
+cdef object fill_problem(AttnProblem *p, tuple qs, tuple ks, tuple vs, int mask_kind,
+                         tuple mbs, tuple mfs, bint has_alibi, tuple als, double softcap,
+                         int64_t q_offset, int64_t win_left, int64_t win_right,
+                         double dropout_p, object seed, tuple outs, tuple lses):
+    """Check the canonical problem (api.py guarantees it; this is the safety net against a
+    segfault) and fill p.  Shapes arrive as tuples."""
+    cdef ptrdiff_t B = qs[0], Hq = qs[1], L = qs[2], E = qs[3]
+    cdef ptrdiff_t Hkv = ks[1], S = ks[2], Ev = vs[3]
+    if ks[0] != B or vs[0] != B or vs[1] != Hkv or vs[2] != S or ks[3] != E:
+        raise ValueError(f"attention kernel: q {qs}, k {ks}, v {vs} do not agree")
+    if Hkv == 0 and Hq != 0 or Hkv != 0 and Hq % Hkv != 0:
+        raise ValueError(f"attention kernel: Hq={Hq} is not a multiple of Hkv={Hkv}")
+    if outs != (B, Hq, L, Ev) or lses != (B, Hq, L):
+        raise ValueError(f"attention kernel: out {outs} / lse {lses} do not match "
+                         f"{(B, Hq, L, Ev)} / {(B, Hq, L)}")
+    if mask_kind not in (0, 1, 2):
+        raise ValueError(f"attention kernel: mask_kind must be 0, 1 or 2, got {mask_kind}")
+    cdef tuple ms = mbs if mask_kind == 1 else mfs
+    cdef tuple full = (B, Hq, L, S)
+    if mask_kind:
+        for d in range(4):
+            if ms[d] != 1 and ms[d] != full[d]:
+                raise ValueError(f"attention kernel: mask shape {ms} does not broadcast "
+                                 f"to {full}")
+    if has_alibi and (als[1] != Hq or als[0] not in (1, B)):
+        raise ValueError(f"attention kernel: alibi shape {als}, expected (1 or {B}, {Hq})")
+    if not (0.0 <= dropout_p < 1.0):
+        raise ValueError(f"attention kernel: dropout_p={dropout_p} outside [0, 1)")
+    if win_left < 0 or win_right < 0:
+        raise ValueError("attention kernel: window sides must be >= 0")
+    seed = int(seed)
+    if not (0 <= seed < 2 ** 32):
+        raise ValueError(f"attention kernel: seed {seed} is not a uint32")
+    p.B, p.Hq, p.Hkv, p.L, p.S, p.E, p.Ev = B, Hq, Hkv, L, S, E, Ev
+    p.G = Hq // Hkv if Hkv else 1
+    p.mask_kind = mask_kind
+    p.msb = p.msh = p.msi = p.msj = 0
+    if mask_kind:
+        # element strides of a C-contiguous (Bm, Hm, Lm, Sm) array; broadcast dims -> 0
+        p.msj = 1 if ms[3] != 1 else 0
+        p.msi = ms[3] if ms[2] != 1 else 0
+        p.msh = ms[2] * ms[3] if ms[1] != 1 else 0
+        p.msb = ms[1] * ms[2] * ms[3] if ms[0] != 1 else 0
+    p.has_alibi = has_alibi
+    p.alibi_bs = Hq if has_alibi and als[0] != 1 else 0
+    p.softcap = softcap if softcap > 0 else 0.0
+    p.q_offset = q_offset
+    # an "unbounded" side arrives as L + S + 1; clamp so pos +- w can never overflow int64
+    p.wl = min(win_left, L + S + 1)
+    p.wr = min(win_right, L + S + 1)
+    p.has_dropout = dropout_p > 0
+    p.seed = <uint32_t>seed
+    p.thresh = <uint32_t>min(int(dropout_p * 4294967296.0), 4294967295)
+    p.keep_scale = 1.0 / (1.0 - dropout_p)
+
+
+def forward(const floating[:, :, :, ::1] q, const floating[:, :, :, ::1] k,
+            const floating[:, :, :, ::1] v, int mask_kind,
+            const uint8_t[:, :, :, ::1] mask_bool, const floating[:, :, :, ::1] mask_float,
+            bint has_alibi, const floating[:, ::1] alibi, double scale, double softcap,
+            int64_t q_offset, int64_t win_left, int64_t win_right, double dropout_p, seed,
+            floating[:, :, :, ::1] out, floating[:, :, ::1] lse, int n_threads=1):
+    """FlashAttention-2 forward per docs/KERNELS.md; fills out and lse."""
+    cdef AttnProblem p
+    fill_problem(&p, shape4(q.shape), shape4(k.shape), shape4(v.shape), mask_kind, shape4(mask_bool.shape), shape4(mask_float.shape),
+                 has_alibi, (alibi.shape[0], alibi.shape[1]), softcap, q_offset, win_left,
+                 win_right, dropout_p, seed, shape4(out.shape), (lse.shape[0], lse.shape[1], lse.shape[2]))
+    if p.B * p.Hq * p.L == 0:
+        return
+    p.scale = scale
+    bind_arrays(&p, q, k, v, mask_bool, mask_float, alibi, out, lse)
+    cdef int rc
+    with nogil:
+        rc = run_forward(&p, <floating *>NULL, n_threads)
+    if rc != 0:
+        raise MemoryError("attention kernel: could not allocate per-thread scratch")
+
+
+cdef void bind_arrays(AttnProblem *p, const floating[:, :, :, ::1] q,
+                      const floating[:, :, :, ::1] k, const floating[:, :, :, ::1] v,
+                      const uint8_t[:, :, :, ::1] mask_bool,
+                      const floating[:, :, :, ::1] mask_float, const floating[:, ::1] alibi,
+                      floating[:, :, :, ::1] out, floating[:, :, ::1] lse):
+    # size-0 dims have no element 0: point at a 1-element dummy instead (never read)
+    p.q = <const char *>&q[0, 0, 0, 0] if q.size else NULL
+    p.k = <const char *>&k[0, 0, 0, 0] if k.size else NULL
+    p.v = <const char *>&v[0, 0, 0, 0] if v.size else NULL
+    p.out = <char *>&out[0, 0, 0, 0] if out.size else NULL
+    p.lse = <char *>&lse[0, 0, 0] if lse.size else NULL
+    p.mask_b = &mask_bool[0, 0, 0, 0] if mask_bool.size else NULL
+    p.mask_f = <const char *>&mask_float[0, 0, 0, 0] if mask_float.size else NULL
+    p.alibi = <const char *>&alibi[0, 0] if alibi.size else NULL
