@@ -1,0 +1,67 @@
+"""Calls from several Python threads at once, and fork after use: correct, never an abort or hang."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+from helpers import randn
+
+import fastattn as fa
+from fastattn import reference
+
+
+def test_four_python_threads_at_once(backend):
+    rng = np.random.default_rng(9)
+    cases = []
+    for t in range(4):
+        L = 1 if t % 2 else 300                     # decode-shaped and prefill-shaped calls
+        q, k, v = randn(rng, (1, 4, L, 64), np.float64), randn(rng, (1, 2, 500, 64), np.float64), randn(rng, (1, 2, 500, 64), np.float64)
+        cases.append((q, k, v, reference.scaled_dot_product_attention(q, k, v, enable_gqa=True)))
+    errors = []
+
+    def work(t):
+        q, k, v, want = cases[t]
+        try:
+            for _ in range(5):
+                got = fa.scaled_dot_product_attention(q, k, v, enable_gqa=True, backend=backend)
+                err = float(np.abs(got - want).max())
+                if err > 1e-10:
+                    errors.append((t, err))
+        except Exception as exc:                     # pragma: no cover - reported below
+            errors.append((t, repr(exc)))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+
+
+FORK_CHILD = r"""
+import os, sys
+import numpy as np
+import fastattn as fa
+backend = sys.argv[1]
+q = np.ones((1, 8, 512, 64), np.float32)
+def call():
+    return float(fa.scaled_dot_product_attention(q, q, q, backend=backend)[0, 0, 0, 0])
+call()                                   # the parent uses its thread pools first
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if call() == 1.0 else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_fork_after_use_completes(backend):
+    """OpenMP runtimes are not fork-safe; a child must still finish (or fail clearly), never hang."""
+    res = subprocess.run([sys.executable, "-c", FORK_CHILD, backend], timeout=120, capture_output=True,
+                         text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
