@@ -5,6 +5,7 @@
 
 See README.md for the semantics; `python -m fastattn info` shows which backends are available.
 """
+from . import _process  # noqa: F401  (registers the fork hook before any backend loads)
 from .api import (attention, merge_attention, merge_heads, multihead, scaled_dot_product_attention,
                   scaled_dot_product_attention_backward, softmax, split_heads)
 from ._backends import (BackendInfo, BackendUnavailableError, backends, get_backend, set_backend,

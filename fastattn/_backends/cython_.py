@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from .. import _config
+from .. import _config, _process
 from ._base import Backend
 from ._kernel_args import forward_inputs, forward_outputs
 
@@ -44,6 +44,11 @@ class CythonBackend(Backend):
 
     def _load(self) -> None:
         self._k = _import_kernels()
+        if _process.forked():
+            # imported first in a fork() child: the parent may have used the same libgomp
+            # (source builds share the system's), so stay off the pool, as the extension's own
+            # fork hook does when it was imported before the fork
+            self._k._after_fork_in_child()
 
     def details(self) -> dict:
         k = self._k
@@ -53,10 +58,12 @@ class CythonBackend(Backend):
         out, lse = forward_outputs(p)
         L = p.q.shape[2]
         kernel = self._k.decode if L * p.group <= DECODE_MAX_ROWS * 4 and L <= DECODE_MAX_ROWS else self._k.forward
+        _process.note_pool_used()
         kernel(*forward_inputs(p), out, lse, _config.num_threads())
         return out, lse
 
     def softmax_rows(self, x, keep):
+        _process.note_pool_used()
         out = np.empty_like(x)
         if keep is None:
             self._k.softmax_rows(x, 0, np.zeros((1, 1), np.uint8), out, _config.num_threads())
