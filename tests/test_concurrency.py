@@ -80,3 +80,27 @@ def test_fork_after_use_completes_or_fails_clearly(backend):
     # under auto, the child is served (by a backend that can run after fork)
     res = _fork(backend, "auto")
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_user_blas_thread_setting_is_unchanged(backend):
+    """Backends may hold BLAS to one thread inside their parallel regions, never after."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+
+    def blas_threads():
+        return sorted((i["filepath"], i["num_threads"]) for i in threadpoolctl.threadpool_info()
+                      if i["user_api"] == "blas")
+
+    rng = np.random.default_rng(1)
+    q = randn(rng, (2, 4, 300, 32), np.float64)
+    fa.scaled_dot_product_attention(q, q, q, backend=backend)      # load every library first
+    before = blas_threads()
+    threads = [threading.Thread(target=lambda: [fa.scaled_dot_product_attention(q, q, q, backend=backend)
+                                                for _ in range(3)]) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if backend == "numpy":
+        out, lse = fa.scaled_dot_product_attention(q, q, q, backend=backend, return_lse=True)
+        fa.scaled_dot_product_attention_backward(q, q, q, q, out, lse, backend=backend)
+    assert blas_threads() == before

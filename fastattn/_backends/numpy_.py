@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _dropout
+from .. import _config, _dropout
 from .._inputs import MASK_BOOL, MASK_FLOAT, lse_dtype
 from ._base import Backend
+from ._threads import parallel_map
 
 # A score tile holds about this many elements (all query heads x query block x key block):
 # large enough that NumPy's per-call overhead is amortized, small enough to stay cache-friendly
@@ -28,13 +29,16 @@ def _blocks(p):
     return min(bq, max(L, 1)), bk
 
 
-def safe_matmul(w: np.ndarray, v: np.ndarray) -> np.ndarray:
+def safe_matmul(w: np.ndarray, v: np.ndarray, v_finite: bool | None = None) -> np.ndarray:
     """w @ v for (..., M, N) @ (..., N, D) where a zero weight never lets a NaN/Inf of v through.
 
     BLAS computes 0 * NaN = NaN, so a NaN in a masked key (padding, an unused KV-cache tail)
-    would leak. Only when v has non-finite values (checked in O(N*D), cheap next to the matmul)
-    do we zero them for the matmul and add back the terms whose weight is non-zero.
+    would leak. Only when v has non-finite values (checked in O(N*D), cheap next to the matmul;
+    callers that know v is all finite pass v_finite=True) do we zero them for the matmul and
+    add back the terms whose weight is non-zero.
     """
+    if v_finite:
+        return np.matmul(w, v)
     finite = np.isfinite(v)
     if finite.all():
         return np.matmul(w, v)
@@ -50,8 +54,10 @@ def safe_matmul(w: np.ndarray, v: np.ndarray) -> np.ndarray:
     return res
 
 
-def _apply_scores_pipeline(p, s, b, i0, i1, j0, j1):
-    """Scale, softcap, ALiBi, masks and band on a score tile s of shape (Hq, nq, nk), in place.
+def _apply_scores_pipeline(p, s, b, i0, i1, j0, j1, heads=slice(None)):
+    """Scale, softcap, ALiBi, masks and band on a score tile s of shape (nh, nq, nk), in place.
+
+    The tile holds the query heads `heads` (a slice of range(Hq)) of batch element b.
 
     Returns 1 - tanh^2 of the softcap (its derivative, for the backward) or None without softcap.
     """
@@ -67,12 +73,12 @@ def _apply_scores_pipeline(p, s, b, i0, i1, j0, j1):
     pos = np.arange(i0, i1)[:, None] + band.q_offset      # query positions (nq, 1)
     keys = np.arange(j0, j1)[None, :]                      # (1, nk)
     if p.alibi is not None:
-        slopes = p.alibi[b if p.alibi.shape[0] > 1 else 0]
+        slopes = p.alibi[b if p.alibi.shape[0] > 1 else 0, heads]
         dist = np.abs(pos - keys).astype(p.dtype)
         s -= slopes[:, None, None] * dist
     if p.mask_kind != 0:
         m = p.mask
-        tile = m[b if m.shape[0] > 1 else 0, :,
+        tile = m[b if m.shape[0] > 1 else 0, heads if m.shape[1] > 1 else slice(None),
                  slice(i0, i1) if m.shape[2] > 1 else slice(None),
                  slice(j0, j1) if m.shape[3] > 1 else slice(None)]
         if p.mask_kind == MASK_BOOL:
@@ -88,9 +94,9 @@ def _apply_scores_pipeline(p, s, b, i0, i1, j0, j1):
     return softcap_grad
 
 
-def _dropout_scale(p, b, Hq, i0, i1, j0, j1):
-    """keep / (1 - p) for a tile (Hq, nq, nk): the hash regenerates the forward's kept set."""
-    bh = (b * Hq + np.arange(Hq))[:, None, None]
+def _dropout_scale(p, b, Hq, i0, i1, j0, j1, heads=slice(None)):
+    """keep / (1 - p) for a tile (nh, nq, nk): the hash regenerates the forward's kept set."""
+    bh = (b * Hq + np.arange(Hq)[heads])[:, None, None]
     keep = _dropout.keep_mask(p.seed, p.dropout_p, bh, np.arange(i0, i1)[:, None], np.arange(j0, j1)[None, :])
     return keep * p.dtype.type(1.0 / (1.0 - p.dropout_p))
 
@@ -127,47 +133,56 @@ class NumpyBackend(Backend):
         return out, lse
 
     def _forward_tiles(self, p, out, lse):
-        B, Hq, L, E = p.q.shape
+        B, L = p.q.shape[0], p.q.shape[2]
+        bq, bk = _blocks(p)
+        v_finite = bool(np.isfinite(p.v).all())         # the usual case: no per-tile checks
+
+        def block(item):
+            b, i0 = item
+            with np.errstate(invalid="ignore"):        # errstate is per thread
+                self._forward_block(p, out, lse, b, i0, min(L, i0 + bq), bk, v_finite)
+
+        # query blocks are independent (disjoint rows of out and lse): one thread each
+        parallel_map(block, [(b, i0) for b in range(B) for i0 in range(0, L, bq)],
+                     _config.num_threads())
+
+    def _forward_block(self, p, out, lse, b, i0, i1, bk, v_finite):
+        """Rows i0..i1-1 of batch b, all heads: online softmax over the band's key blocks."""
+        Hq, L, E = p.q.shape[1:]
         Hkv, S, Ev = p.k.shape[1], p.k.shape[2], p.v.shape[3]
         G = p.group
         dt = p.dtype
-        bq, bk = _blocks(p)
-        for b in range(B):
-            qb = p.q[b].reshape(Hkv, G, L, E)
-            kb, vb = p.k[b], p.v[b]
-            for i0 in range(0, L, bq):
-                i1 = min(L, i0 + bq)
-                nq = i1 - i0
-                j_lo, j_hi = p.band.key_range(i0, i1, S)
-                if j_lo >= j_hi:
-                    continue                           # every key outside the band: zeros, -inf
-                # (Hkv, G*nq, E): the G query heads sharing a KV head are one matmul operand.
-                qt = np.ascontiguousarray(qb[:, :, i0:i1]).reshape(Hkv, G * nq, E)
-                m = np.full((Hq, nq), -np.inf, dt)
-                l = np.zeros((Hq, nq), dt)
-                acc = np.zeros((Hkv, G * nq, Ev), dt)
-                for j0 in range(j_lo, j_hi, bk):
-                    j1 = min(j_hi, j0 + bk)
-                    s = np.matmul(qt, kb[:, j0:j1].transpose(0, 2, 1))     # (Hkv, G*nq, nk)
-                    s3 = s.reshape(Hq, nq, j1 - j0)
-                    _apply_scores_pipeline(p, s3, b, i0, i1, j0, j1)
-                    m_new = np.maximum(m, s3.max(axis=-1))
-                    m_safe = np.where(np.isneginf(m_new), 0, m_new).astype(dt)
-                    s3 -= m_safe[:, :, None]
-                    np.exp(s3, out=s3)
-                    alpha = np.exp(m - m_safe)                 # 0 while the row had no key yet
-                    l *= alpha
-                    l += s3.sum(axis=-1)
-                    if p.dropout_p > 0:
-                        s3 *= _dropout_scale(p, b, Hq, i0, i1, j0, j1)
-                    acc *= alpha.reshape(Hkv, G * nq, 1)
-                    acc += safe_matmul(s, vb[:, j0:j1])
-                    m = m_new
-                l4 = l.reshape(Hq, nq, 1)
-                res = acc.reshape(Hq, nq, Ev)
-                np.divide(res, l4, out=out[b, :, i0:i1], where=l4 != 0)
-                with np.errstate(divide="ignore"):
-                    lse[b, :, i0:i1] = np.where(l != 0, m + np.log(l), -np.inf)
+        nq = i1 - i0
+        j_lo, j_hi = p.band.key_range(i0, i1, S)
+        if j_lo >= j_hi:
+            return                                     # every key outside the band: zeros, -inf
+        kb, vb = p.k[b], p.v[b]
+        # (Hkv, G*nq, E): the G query heads sharing a KV head are one matmul operand.
+        qt = np.ascontiguousarray(p.q[b].reshape(Hkv, G, L, E)[:, :, i0:i1]).reshape(Hkv, G * nq, E)
+        m = np.full((Hq, nq), -np.inf, dt)
+        l = np.zeros((Hq, nq), dt)
+        acc = np.zeros((Hkv, G * nq, Ev), dt)
+        for j0 in range(j_lo, j_hi, bk):
+            j1 = min(j_hi, j0 + bk)
+            s = np.matmul(qt, kb[:, j0:j1].transpose(0, 2, 1))     # (Hkv, G*nq, nk)
+            s3 = s.reshape(Hq, nq, j1 - j0)
+            _apply_scores_pipeline(p, s3, b, i0, i1, j0, j1)
+            m_new = np.maximum(m, s3.max(axis=-1))
+            m_safe = np.where(np.isneginf(m_new), 0, m_new).astype(dt)
+            s3 -= m_safe[:, :, None]
+            np.exp(s3, out=s3)
+            alpha = np.exp(m - m_safe)                 # 0 while the row had no key yet
+            l *= alpha
+            l += s3.sum(axis=-1)
+            if p.dropout_p > 0:
+                s3 *= _dropout_scale(p, b, Hq, i0, i1, j0, j1)
+            acc *= alpha.reshape(Hkv, G * nq, 1)
+            acc += safe_matmul(s, vb[:, j0:j1], v_finite)
+            m = m_new
+        l4 = l.reshape(Hq, nq, 1)
+        np.divide(acc.reshape(Hq, nq, Ev), l4, out=out[b, :, i0:i1], where=l4 != 0)
+        with np.errstate(divide="ignore"):
+            lse[b, :, i0:i1] = np.where(l != 0, m + np.log(l), -np.inf)
 
     # ------------------------------------------------------------------------------------------
     def backward(self, p, dout, out, lse):
@@ -187,52 +202,73 @@ class NumpyBackend(Backend):
         return dq, dk, dv
 
     def _backward_tiles(self, p, dout, out, lse, dq, dk, dv):
-        B, Hq, L, E = p.q.shape
-        Hkv, S, Ev = p.k.shape[1], p.k.shape[2], p.v.shape[3]
+        B, Hkv = p.q.shape[0], p.k.shape[1]
+        bq, bk = _blocks(p)
+        ctx = dict(
+            delta=np.einsum("bhld,bhld->bhl", dout, out),              # D = rowsum(dO * O)
+            # rows with no key have lse = -inf: use +inf so exp(s - lse) = 0 there, not NaN
+            lse_safe=np.where(np.isneginf(lse), np.inf, lse).astype(p.dtype),
+            kv_finite=bool(np.isfinite(p.k).all() and np.isfinite(p.v).all()),
+            bq=bq, bk=bk)
+        threads = _config.num_threads()
+        # dk/dv of a KV head collect every query block of its group: an item owns whole KV heads
+        # (and so its query heads' dq rows), so no two threads write the same gradient rows
+        n_split = min(Hkv, max(1, -(-2 * threads // B)))
+        bounds = np.linspace(0, Hkv, n_split + 1).astype(int)
+        items = [(b, h0, h1) for b in range(B) for h0, h1 in zip(bounds[:-1], bounds[1:]) if h1 > h0]
+
+        def group(item):
+            with np.errstate(invalid="ignore"):        # errstate is per thread
+                self._backward_heads(p, dout, dq, dk, dv, ctx, *item)
+
+        parallel_map(group, items, threads)
+
+    def _backward_heads(self, p, dout, dq, dk, dv, ctx, b, h0, h1):
+        """Gradients of KV heads h0..h1-1 of batch b and of the query heads reading them."""
+        L, E = p.q.shape[2], p.q.shape[3]
+        Hq, S, Ev = p.q.shape[1], p.k.shape[2], p.v.shape[3]
         G = p.group
         dt = p.dtype
-        bq, bk = _blocks(p)
-        delta = np.einsum("bhld,bhld->bhl", dout, out)                    # D = rowsum(dO * O)
-        # rows with no key have lse = -inf: use +inf so exp(s - lse) = 0 there, not NaN
-        lse_safe = np.where(np.isneginf(lse), np.inf, lse).astype(dt)
+        nkv = h1 - h0
+        heads = slice(h0 * G, h1 * G)                                       # their query heads
+        qb = p.q[b, heads].reshape(nkv, G, L, E)
+        dob = dout[b, heads].reshape(nkv, G, L, Ev)
+        kb, vb = p.k[b, h0:h1], p.v[b, h0:h1]
         scale = dt.type(p.scale)
-        for b in range(B):
-            qb = p.q[b].reshape(Hkv, G, L, E)
-            dob = dout[b].reshape(Hkv, G, L, Ev)
-            kb, vb = p.k[b], p.v[b]
-            for i0 in range(0, L, bq):
-                i1 = min(L, i0 + bq)
-                nq = i1 - i0
-                j_lo, j_hi = p.band.key_range(i0, i1, S)
-                if j_lo >= j_hi:
-                    continue
-                qt = np.ascontiguousarray(qb[:, :, i0:i1]).reshape(Hkv, G * nq, E)
-                dot = np.ascontiguousarray(dob[:, :, i0:i1]).reshape(Hkv, G * nq, Ev)
-                lse_t = lse_safe[b, :, i0:i1, None]                         # (Hq, nq, 1)
-                delta_t = delta[b, :, i0:i1, None]
-                dq_acc = np.zeros((Hkv, G * nq, E), dt)
-                for j0 in range(j_lo, j_hi, bk):
-                    j1 = min(j_hi, j0 + bk)
-                    nk = j1 - j0
-                    s = np.matmul(qt, kb[:, j0:j1].transpose(0, 2, 1))
-                    s3 = s.reshape(Hq, nq, nk)
-                    softcap_grad = _apply_scores_pipeline(p, s3, b, i0, i1, j0, j1)
-                    s3 -= lse_t
-                    P = np.exp(s3, out=s3)                                  # (Hq, nq, nk)
-                    drop = _dropout_scale(p, b, Hq, i0, i1, j0, j1) if p.dropout_p > 0 else None
-                    Pd = P * drop if drop is not None else P
-                    dv[b, :, j0:j1] += np.matmul(Pd.reshape(Hkv, G * nq, nk).transpose(0, 2, 1), dot)
-                    dP = np.matmul(dot, vb[:, j0:j1].transpose(0, 2, 1)).reshape(Hq, nq, nk)
-                    if drop is not None:
-                        dP *= drop
-                    dP -= delta_t
-                    dS = np.multiply(P, dP, out=dP)
-                    if softcap_grad is not None:
-                        dS *= softcap_grad
-                    if not (np.isfinite(kb[:, j0:j1]).all() and np.isfinite(vb[:, j0:j1]).all()):
-                        np.copyto(dS, 0, where=(P == 0))                   # masked keys: no NaN
-                    dS *= scale
-                    dS3 = dS.reshape(Hkv, G * nq, nk)
-                    dq_acc += safe_matmul(dS3, kb[:, j0:j1])
-                    dk[b, :, j0:j1] += np.matmul(dS3.transpose(0, 2, 1), qt)
-                dq[b, :, i0:i1] = dq_acc.reshape(Hq, nq, E)
+        bq, bk, kv_finite = ctx["bq"], ctx["bk"], ctx["kv_finite"]
+        for i0 in range(0, L, bq):
+            i1 = min(L, i0 + bq)
+            nq = i1 - i0
+            j_lo, j_hi = p.band.key_range(i0, i1, S)
+            if j_lo >= j_hi:
+                continue
+            qt = np.ascontiguousarray(qb[:, :, i0:i1]).reshape(nkv, G * nq, E)
+            dot = np.ascontiguousarray(dob[:, :, i0:i1]).reshape(nkv, G * nq, Ev)
+            lse_t = ctx["lse_safe"][b, heads, i0:i1, None]                  # (nh, nq, 1)
+            delta_t = ctx["delta"][b, heads, i0:i1, None]
+            dq_acc = np.zeros((nkv, G * nq, E), dt)
+            for j0 in range(j_lo, j_hi, bk):
+                j1 = min(j_hi, j0 + bk)
+                nk = j1 - j0
+                s = np.matmul(qt, kb[:, j0:j1].transpose(0, 2, 1))
+                s3 = s.reshape(nkv * G, nq, nk)
+                softcap_grad = _apply_scores_pipeline(p, s3, b, i0, i1, j0, j1, heads)
+                s3 -= lse_t
+                P = np.exp(s3, out=s3)                                      # (nh, nq, nk)
+                drop = _dropout_scale(p, b, Hq, i0, i1, j0, j1, heads) if p.dropout_p > 0 else None
+                Pd = P * drop if drop is not None else P
+                dv[b, h0:h1, j0:j1] += np.matmul(Pd.reshape(nkv, G * nq, nk).transpose(0, 2, 1), dot)
+                dP = np.matmul(dot, vb[:, j0:j1].transpose(0, 2, 1)).reshape(nkv * G, nq, nk)
+                if drop is not None:
+                    dP *= drop
+                dP -= delta_t
+                dS = np.multiply(P, dP, out=dP)
+                if softcap_grad is not None:
+                    dS *= softcap_grad
+                if not kv_finite and not (np.isfinite(kb[:, j0:j1]).all() and np.isfinite(vb[:, j0:j1]).all()):
+                    np.copyto(dS, 0, where=(P == 0))                       # masked keys: no NaN
+                dS *= scale
+                dS3 = dS.reshape(nkv, G * nq, nk)
+                dq_acc += safe_matmul(dS3, kb[:, j0:j1], kv_finite)
+                dk[b, h0:h1, j0:j1] += np.matmul(dS3.transpose(0, 2, 1), qt)
+            dq[b, heads, i0:i1] = dq_acc.reshape(nkv * G, nq, E)
