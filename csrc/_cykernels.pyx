@@ -12,6 +12,7 @@ include "common.pxi"
 include "softmax.pxi"
 include "forward.pxi"
 include "decode.pxi"
+include "backward.pxi"
 
 import os as _os
 

@@ -507,6 +507,189 @@ FA_FN void FN(fa_softmax_row)(const FA_T *x, const uint8_t *mask, FA_T *out, ptr
     for (i = 0; i < n; i++) out[i] *= inv;
 }
 
+/* ------------------------------------------------------------------ backward ----------- */
+/* The backward (backward.pxi) keeps the forward's layout: a tile is T[j][lane] (key rows,
+ * query lanes contiguous), with the fixed row stride FA_BWD_LDS so that fa_ptq's broadcasts
+ * down a column are constant displacements from one base register (a runtime stride would
+ * need 12 row pointers, more than the free general registers). */
+
+/* P = exp(S - lse) and dS = P * (dP - D) [* G] in place (S <- P, dP <- dS), rows j < n, lanes
+ * < W.  lse is +inf on lanes whose row had no key (P = 0 there), D = rowsum(dO * O).
+ * dS is forced to 0 where P == 0: a masked key whose V holds Inf/NaN gives dP = Inf/NaN, and
+ * 0 * Inf must not reach dQ/dK.  A NaN P (NaN in an allowed key) still propagates. */
+FA_INL void FN(fa_bwd_ds_group_)(const int NG, FA_T *S, FA_T *dP, const FA_T *Gs,
+                                 ptrdiff_t n, const FA_T *lse, const FA_T *D)
+{
+    VT ls[4], dd[4];
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; g++) {
+        ls[g] = LD(lse + g * FA_VW);
+        dd[g] = LD(D + g * FA_VW);
+    }
+    for (ptrdiff_t j = 0; j < n; j++) {
+        FA_T *srow = S + j * FA_BWD_LDS, *drow = dP + j * FA_BWD_LDS;
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; g++) {
+            VT p = VEXP(LD(srow + g * FA_VW) - ls[g]);
+            VT ds = p * (LD(drow + g * FA_VW) - dd[g]);
+            if (Gs) ds *= LD(Gs + j * FA_BWD_LDS + g * FA_VW);
+            VI live = p != BC(0);
+            ST(srow + g * FA_VW, p);
+            ST(drow + g * FA_VW, SEL(live, ds, BC(0)));
+        }
+    }
+}
+
+FA_FN void FN(fa_bwd_ds)(FA_T *S, FA_T *dP, const FA_T *Gs, ptrdiff_t n, ptrdiff_t W,
+                         const FA_T *lse, const FA_T *D)
+{
+    ptrdiff_t i = 0;
+    if (Gs) {
+        for (; i + 4 * FA_VW <= W; i += 4 * FA_VW)
+            FN(fa_bwd_ds_group_)(4, S + i, dP + i, Gs + i, n, lse + i, D + i);
+        for (; i < W; i += FA_VW)
+            FN(fa_bwd_ds_group_)(1, S + i, dP + i, Gs + i, n, lse + i, D + i);
+    } else {
+        for (; i + 4 * FA_VW <= W; i += 4 * FA_VW)
+            FN(fa_bwd_ds_group_)(4, S + i, dP + i, NULL, n, lse + i, D + i);
+        for (; i < W; i += FA_VW)
+            FN(fa_bwd_ds_group_)(1, S + i, dP + i, NULL, n, lse + i, D + i);
+    }
+}
+
+/* O[r][:] += sum_{i < ni} T[r * FA_BWD_LDS + i] * X[i][:] for MRX key rows and NVX*VW columns:
+ * dV += Pᵀ·dO and dK += dSᵀ·Q with the tile's lanes as the reduction.  The lanes are summed in
+ * chunks of FA_PV_CHUNK into fresh registers, each chunk added to O in memory (as fa_pv). */
+#define FA_PTQ_MAXR 12
+FA_INL void FN(fa_ptq_tile_)(const int MRX, const int NVX, const FA_T *T, ptrdiff_t ni,
+                             const FA_T *X, ptrdiff_t ldx, FA_T *O, ptrdiff_t ldo)
+{
+    for (ptrdiff_t i0 = 0; i0 < ni; i0 += FA_PV_CHUNK) {
+        const ptrdiff_t i1 = ni - i0 < FA_PV_CHUNK ? ni : i0 + FA_PV_CHUNK;
+        VT acc[FA_PTQ_MAXR][FA_NV];
+#pragma GCC unroll 16
+        for (int r = 0; r < MRX; r++)
+#pragma GCC unroll 4
+            for (int v = 0; v < NVX; v++) acc[r][v] = BC(0);
+        for (ptrdiff_t i = i0; i < i1; i++) {
+            VT b[FA_NV];
+#pragma GCC unroll 4
+            for (int v = 0; v < NVX; v++) b[v] = LD(X + i * ldx + v * FA_VW);
+#pragma GCC unroll 16
+            for (int r = 0; r < MRX; r++) {
+                VT a = BC(T[r * FA_BWD_LDS + i]);
+#pragma GCC unroll 4
+                for (int v = 0; v < NVX; v++) acc[r][v] += a * b[v];
+            }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < MRX; r++)
+#pragma GCC unroll 4
+            for (int v = 0; v < NVX; v++)
+                ST(O + r * ldo + v * FA_VW, LD(O + r * ldo + v * FA_VW) + acc[r][v]);
+    }
+}
+
+FA_INL void FN(fa_ptq_rows_)(const int MRX, const FA_T *T, ptrdiff_t ni, const FA_T *X,
+                             ptrdiff_t ldx, ptrdiff_t C, FA_T *O, ptrdiff_t ldo)
+{
+    ptrdiff_t c = 0;
+    for (; c + NR <= C; c += NR)
+        FN(fa_ptq_tile_)(MRX, FA_NV, T, ni, X + c, ldx, O + c, ldo);
+    for (; c + FA_VW <= C; c += FA_VW)
+        FN(fa_ptq_tile_)(MRX, 1, T, ni, X + c, ldx, O + c, ldo);
+    if (c < C) {  /* fewer than VW columns left: scalar, same chunked order */
+        for (int r = 0; r < MRX; r++) {
+            FA_T *o = O + r * ldo;
+            const FA_T *t = T + r * FA_BWD_LDS;
+            for (ptrdiff_t cc = c; cc < C; cc++) {
+                FA_T tot = o[cc];
+                for (ptrdiff_t i0 = 0; i0 < ni; i0 += FA_PV_CHUNK) {
+                    FA_T acc = 0;
+                    for (ptrdiff_t i = i0; i < ni && i < i0 + FA_PV_CHUNK; i++)
+                        acc += t[i] * X[i * ldx + cc];
+                    tot += acc;
+                }
+                o[cc] = tot;
+            }
+        }
+    }
+}
+
+/* O[j][0:C] += sum_{i < ni} T[j][i] * X[i][0:C] for exactly the rows j < n (O rows are the
+ * caller's dk/dv rows: nothing past row n is touched; the row tail runs in tiles of 8/4/2/1). */
+FA_FN void FN(fa_ptq)(const FA_T *T, ptrdiff_t n, ptrdiff_t ni, const FA_T *X, ptrdiff_t ldx,
+                      ptrdiff_t C, FA_T *O, ptrdiff_t ldo)
+{
+    ptrdiff_t r = 0;
+    for (; r + FA_MR <= n; r += FA_MR)
+        FN(fa_ptq_rows_)(FA_MR, T + r * FA_BWD_LDS, ni, X, ldx, C, O + r * ldo, ldo);
+    if (FA_MR > 8 && n - r >= 8) {
+        FN(fa_ptq_rows_)(FA_MR > 8 ? 8 : 1, T + r * FA_BWD_LDS, ni, X, ldx, C, O + r * ldo, ldo);
+        r += 8;
+    }
+    if (n - r >= 4) {
+        FN(fa_ptq_rows_)(4, T + r * FA_BWD_LDS, ni, X, ldx, C, O + r * ldo, ldo);
+        r += 4;
+    }
+    if (n - r >= 2) {
+        FN(fa_ptq_rows_)(2, T + r * FA_BWD_LDS, ni, X, ldx, C, O + r * ldo, ldo);
+        r += 2;
+    }
+    if (n - r >= 1)
+        FN(fa_ptq_rows_)(1, T + r * FA_BWD_LDS, ni, X, ldx, C, O + r * ldo, ldo);
+}
+
+/* softcap with its derivative: S <- cap * tanh(S / cap) exactly as fa_softcap computes it
+ * (the forward's scores, bit for bit), and G <- 1 - tanh^2 (float: from the double tanh). */
+FA_FN void FN(fa_softcap_grad)(FA_T *S, FA_T *G, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W,
+                               FA_T cap)
+{
+    for (ptrdiff_t j = 0; j < n; j++) {
+        FA_T *s = S + j * lds, *g = G + j * lds;
+        for (ptrdiff_t i = 0; i < W; i++) {
+#if FA_ISF
+            double x = (double)s[i] / (double)cap, ax = x < 0 ? -x : x;
+            double e = fa_expd(-2.0 * ax);
+            double t = (1.0 - e) / (1.0 + e);
+            t = ax < 1e-4 ? ax - ax * ax * ax * (1.0 / 3.0) : t;
+            s[i] = (float)((double)cap * (x < 0 ? -t : t));
+            g[i] = (float)(1.0 - t * t);
+#else
+            FA_T t = tanh(s[i] / cap);
+            s[i] = cap * t;
+            g[i] = 1 - t * t;
+#endif
+        }
+    }
+}
+
+/* dropout on dP: dP <- dP * keep_scale where the spec hash keeps (i, j), 0 where it drops */
+FA_FN void FN(fa_dropout_scale)(FA_T *P, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, int64_t j0,
+                                const uint32_t *rk, uint32_t thresh, FA_T keep_scale)
+{
+    for (ptrdiff_t j = 0; j < n; j++) {
+        FA_T *p = P + j * lds;
+        uint32_t jc = (uint32_t)(j0 + j) * 0x9E3779B1u;
+        for (ptrdiff_t i = 0; i < W; i++) {
+            uint32_t x = rk[i] ^ jc;
+            x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; x ^= x >> 16;
+            p[i] = x < thresh ? (FA_T)0 : p[i] * keep_scale;
+        }
+    }
+}
+
+/* sum_e a[e] * b[e] in double (D = rowsum(dO * O)); 8 partial sums so it vectorizes */
+FA_FN double FN(fa_rowdot)(const FA_T *a, const FA_T *b, ptrdiff_t n)
+{
+    double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    ptrdiff_t e = 0;
+    for (; e + 8 <= n; e += 8)
+        for (int k = 0; k < 8; k++) s[k] += (double)a[e + k] * (double)b[e + k];
+    for (; e < n; e++) s[0] += (double)a[e] * (double)b[e];
+    return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+}
+
 /* ---------------------------------------------------------------- ops table ------------- */
 static const FA_CAT(fa_ops_, FA_TS) FA_CAT(fa_ops_, FA_SFX) = {
     FA_VW, FA_MR, FA_NV, FA_STR(FA_SFX),
@@ -518,6 +701,7 @@ static const FA_CAT(fa_ops_, FA_TS) FA_CAT(fa_ops_, FA_SFX) = {
 #else
     NULL,
 #endif
+    FN(fa_bwd_ds), FN(fa_ptq), FN(fa_softcap_grad), FN(fa_dropout_scale), FN(fa_rowdot),
 };
 
 #undef FN
@@ -528,6 +712,7 @@ static const FA_CAT(fa_ops_, FA_TS) FA_CAT(fa_ops_, FA_SFX) = {
 #undef MRT
 #undef FA_PV_CHUNK
 #undef FA_QK_CHUNK
+#undef FA_PTQ_MAXR
 #undef FA_INL
 #undef FA_FN
 #undef LD

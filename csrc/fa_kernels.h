@@ -53,7 +53,22 @@ typedef struct {                                                                
     /* optional: scores for <= 4 query rows by dot products (decode); NULL = use qk */       \
     void (*qk_dot)(const T *K, ptrdiff_t ldk, ptrdiff_t n, ptrdiff_t E, const T *Qr,        \
                    ptrdiff_t ldq, int R, T *S, ptrdiff_t lds, T scale);                     \
+    /* backward (tiles with row stride FA_BWD_LDS) */                                       \
+    void (*bwd_ds)(T *S, T *dP, const T *G, ptrdiff_t n, ptrdiff_t W, const T *lse,         \
+                   const T *D);                                                             \
+    void (*ptq)(const T *Tl, ptrdiff_t n, ptrdiff_t ni, const T *X, ptrdiff_t ldx,          \
+                ptrdiff_t C, T *O, ptrdiff_t ldo);                                          \
+    void (*softcap_grad)(T *S, T *G, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, T cap);       \
+    void (*dropout_scale)(T *P, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, int64_t j0,        \
+                          const uint32_t *rk, uint32_t thresh, T keep_scale);               \
+    double (*rowdot)(const T *a, const T *b, ptrdiff_t n);                                  \
 } fa_ops_##TS;
+
+/* Row stride (elements) of the backward's score tiles: a compile-time constant so that the
+ * column broadcasts of fa_ptq are displacements from one register.  Holds up to 192 lanes;
+ * +16 keeps consecutive rows off the same 4 KiB alias. */
+#define FA_BWD_LDS 208
+#define FA_BWD_MAXW 192
 
 FA_DECLARE_OPS(f, float)
 FA_DECLARE_OPS(d, double)

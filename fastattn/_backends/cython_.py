@@ -40,7 +40,7 @@ def _import_kernels():
 
 class CythonBackend(Backend):
     name = "cython"
-    ops = ("forward", "softmax")
+    ops = ("forward", "backward", "softmax")
 
     def _load(self) -> None:
         self._k = _import_kernels()
@@ -61,6 +61,13 @@ class CythonBackend(Backend):
         _process.note_pool_used()
         kernel(*forward_inputs(p), out, lse, _config.num_threads())
         return out, lse
+
+    def backward(self, p, dout, out, lse):
+        """FlashAttention-2 backward kernel (csrc/backward.pxi): P recomputed from lse; returns
+        (dq, dk, dv) shaped like the canonical q, k, v."""
+        dq, dk, dv = np.empty_like(p.q), np.empty_like(p.k), np.empty_like(p.v)
+        self._k.backward(*forward_inputs(p), dout, out, lse, dq, dk, dv, _config.num_threads())
+        return dq, dk, dv
 
     def softmax_rows(self, x, keep):
         _process.note_pool_used()
