@@ -4,30 +4,38 @@
 # head (or, when there are too few kv heads to keep the threads busy, a private partial copy
 # summed afterwards in a fixed order), and every query block belongs to exactly one item, so
 # nothing is shared between threads: no atomics, and the same bits on every run whatever the
-# schedule.  Per query block (W rows of one query head, packed once like the forward's Q):
-#     D = rowsum(dO * O), lse (+inf for rows with no key), per-lane positions/mask offsets
-#     for each key sub-block [ja, jb) of the band (the lanes it touches: [lo, hi)):
-#         S  = K·Qᵀ, dPᵀ = V·dOᵀ          (fa_qk, tiles T[key][lane] as in the forward)
+# schedule.  Per query block (W rows of one query head, Q and dO packed as the forward packs Q):
+#   sweep 1, for each key sub-block [ja, jb) of the band (touching lanes [lo, hi)):
+#         S  = K·Qᵀ, dPᵀ = V·dOᵀ          (fa_qkt on Kᵀ/Vᵀ packed once per item; tiles
+#                                          T[key][lane] as in the forward, kept for sweep 2)
 #         softcap (+ its derivative), ALiBi, masks, window edge: the forward's score pipeline
-#         P = exp(S - lse); dP *= keep/(1-p); dS = P (dP - D) [* softcap']   (fa_bwd_ds)
+#         dP *= keep/(1-p);  P = exp(S - lse);  Z += sum_j P,  D += sum_j P dP   (fa_bwd_p)
+#   sweep 2, over the kept tiles:
+#         P /= Z;  dS = P (dP - D/Z) [* softcap'];  Pd = P * keep          (fa_bwd_ds)
 #         dV[ja:jb] += Pdᵀ·dO,  dK[ja:jb] += dSᵀ·Q                          (fa_ptq)
 #         dQ_blk    += dS·K                                                 (fa_pv)
 #     dq rows = scale * dQ_blk
-# then dk *= scale, dv *= 1/(1-p).  Sub-blocks are Bk keys where the band covers every lane of
-# the block and DB keys where its edge cuts through, so a causal diagonal costs little more
-# than its triangle.  Keys outside the band are never read.
+# then dk *= scale, dv *= 1/(1-p).
+# In exact arithmetic Z = 1 and D/Z is the spec's rowsum(dO * O).  In floating point, taking
+# both from the tiles that form dS keeps float32 gradients within the tolerance where a row's
+# attention sits on one key (fa_bwd_p says why).  The price is keeping a block's tiles between
+# the sweeps: W x band x 8 bytes per thread (0.9 MB at S = 1024, 15 MB at S = 16384 for
+# float32); `out` is not read.
+# Sub-blocks are Bk keys where the band covers every lane of the block and DB keys where its
+# edge cuts through, so a causal diagonal costs little more than its triangle.  Keys outside
+# the band are never read.
 
 from libc.string cimport memcpy
 
-cdef ptrdiff_t BWD_W = 128          # query rows per block (multiple of 32, <= FA_BWD_MAXW)
-cdef ptrdiff_t BWD_BK = 128         # keys per sub-block inside the band
-cdef ptrdiff_t BWD_DB = 32          # keys per sub-block where the band edge cuts the block
+cdef ptrdiff_t BWD_W = 96           # query rows per block (multiple of 32, <= FA_BWD_MAXW)
+cdef ptrdiff_t BWD_BK = 96          # keys per sub-block inside the band
+cdef ptrdiff_t BWD_DB = 24          # keys per sub-block where the band edge cuts the block
 cdef ptrdiff_t BWD_ITEMS_PER_THREAD = 4   # fewer (batch, kv head) items: split into chunks
 
 
-def set_bwd_blocks(ptrdiff_t w=128, ptrdiff_t bk=128, ptrdiff_t db=32,
+def set_bwd_blocks(ptrdiff_t w=96, ptrdiff_t bk=96, ptrdiff_t db=24,
                    ptrdiff_t items_per_thread=4):
-    """Experimentation hook: query rows per block (multiple of 32, <= 192), keys per interior
+    """Experimentation hook: query rows per block (multiple of 32, <= 96), keys per interior
     sub-block, keys per band-edge sub-block, and the (batch, kv head) items per thread below
     which query blocks are split into chunks."""
     global BWD_W, BWD_BK, BWD_DB, BWD_ITEMS_PER_THREAD
@@ -38,7 +46,6 @@ def set_bwd_blocks(ptrdiff_t w=128, ptrdiff_t bk=128, ptrdiff_t db=32,
 
 ctypedef struct BwdArgs:
     const char *dout
-    const char *fout                 # the forward's output
     const char *flse                 # the forward's lse
     char *dq
     char *dk
@@ -51,20 +58,25 @@ ctypedef struct BwdArgs:
     ptrdiff_t C                      # chunks of units per kv head
     ptrdiff_t *ubound                # [C + 1] unit boundaries of the chunks (cost-balanced)
     ptrdiff_t ldq                    # row stride of the dQ block accumulator
-    ptrdiff_t mrows                  # rows of the S/dP tiles (max sub-block, rounded to MR)
+    ptrdiff_t ldkt                   # row stride of the packed Kᵀ / Vᵀ (>= S + 16, odd lines)
+    ptrdiff_t trows                  # rows of the band tiles (longest band + slack)
 
 
-ctypedef struct BwdWork:             # per-thread scratch, one buffer (fa_scratch.h)
-    char *base
+ctypedef struct BwdWork:             # per-thread scratch
+    char *base                       # small buffers (fa_scratch.h, kept between calls)
+    char *big                        # O(S) buffers, malloc'ed per call: Kt, Vt, S, dP, G
+    char *Kt                         # Kᵀ of the item's kv head, [E][ldkt]
+    char *Vt                         # Vᵀ, [Ev][ldkt]
+    char *S                          # the block's band: S, then P, then Pd  [trows][FA_BWD_LDS]
+    char *dP                         #                   dP, then dS
+    char *G                          #                   softcap derivative (softcap only)
     char *Qt                         # packed query block, panels [W/pw][E][pw]
     char *dOt                        # packed dO block, panels [W/pw][Ev][pw]
-    char *S                          # S, then P (dropout applied): [mrows][FA_BWD_LDS]
-    char *dP                         # dP, then dS
-    char *G                          # softcap derivative
     char *dQ                         # dQ of the block, [W + 16][ldq]
-    char *kpad                       # partial K/V strip for fa_qk, [MR][max(E, Ev)]
     char *lse                        # per lane: lse (+inf for rows without keys)
-    char *D                          #           rowsum(dO * O)
+    double *acc                      #           sweep-1 sums Z, D (double), FA_BWD_LDS apart
+    char *invZ                       #           1 / sum_j P
+    double *D                        #           sum_j P dP / sum_j P (double: see fa_bwd_ds)
     char *slope                      #           ALiBi slope
     char *ones                       #           1 (fa_pv's rescale factor)
     int64_t *pos                     #           query position i + q_offset
@@ -74,95 +86,167 @@ ctypedef struct BwdWork:             # per-thread scratch, one buffer (fa_scratc
 
 cdef BwdWork *bwd_work_new(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept nogil:
     cdef size_t t = sizeof(floating)
-    cdef ptrdiff_t mr = k_mr(dummy)
     cdef ptrdiff_t wcap = a.W + 16
-    cdef size_t sz[15]
+    cdef size_t sz[14]
     sz[0] = _al(a.W * p.E * t + t)
     sz[1] = _al(a.W * p.Ev * t + t)
-    sz[2] = sz[3] = sz[4] = _al(a.mrows * FA_BWD_LDS * t)
-    sz[5] = _al(wcap * a.ldq * t)
-    sz[6] = _al(mr * max(p.E, p.Ev) * t + t)
-    sz[7] = sz[8] = sz[9] = sz[10] = _al(wcap * t)
-    sz[11] = sz[12] = _al(wcap * 8)
-    sz[13] = _al(wcap * 4)
-    sz[14] = _al(sizeof(BwdWork))
+    sz[2] = _al(wcap * a.ldq * t)
+    sz[3] = sz[4] = sz[6] = sz[7] = _al(wcap * t)
+    sz[5] = sz[8] = sz[9] = _al(wcap * 8)
+    sz[10] = _al(wcap * 4)
+    sz[11] = _al(sizeof(BwdWork))
+    sz[12] = _al(2 * FA_BWD_LDS * 8)
     cdef size_t total = 64, i
-    for i in range(15):
+    for i in range(13):
         total += sz[i]
     cdef char *base = <char *>fa_scratch_get(total)
     if base == NULL:
         return NULL
     cdef char *c = <char *>(((<size_t>base) + 63) & ~(<size_t>63))
     cdef BwdWork *w = <BwdWork *>c
-    c += sz[14]
+    c += sz[11]
     w.base = base
     w.Qt = c; c += sz[0]
     w.dOt = c; c += sz[1]
-    w.S = c; c += sz[2]
-    w.dP = c; c += sz[3]
-    w.G = c; c += sz[4]
-    w.dQ = c; c += sz[5]
-    w.kpad = c; c += sz[6]
-    w.lse = c; c += sz[7]
-    w.D = c; c += sz[8]
-    w.slope = c; c += sz[9]
-    w.ones = c; c += sz[10]
-    w.pos = <int64_t *>c; c += sz[11]
-    w.moff = <int64_t *>c; c += sz[12]
-    w.rk = <uint32_t *>c
+    w.dQ = c; c += sz[2]
+    w.lse = c; c += sz[3]
+    w.invZ = c; c += sz[4]
+    w.D = <double *>c; c += sz[5]
+    w.slope = c; c += sz[6]
+    w.ones = c; c += sz[7]
+    w.pos = <int64_t *>c; c += sz[8]
+    w.moff = <int64_t *>c; c += sz[9]
+    w.rk = <uint32_t *>c; c += sz[10]
+    w.acc = <double *>c
     # Lanes past the block's rows are read by the tile kernels (whole panels): keep every
-    # per-lane array finite and defined.  The tiles themselves are written before being read
-    # (S/dP by fa_qk, G by fa_softcap_grad), except rows of S/dP past a sub-block's end that
-    # fa_qk fills with zeros.
-    memset(w.S, 0, sz[2] + sz[3] + sz[4])
-    memset(w.lse, 0, sz[7] + sz[8] + sz[9] + sz[10] + sz[11] + sz[12] + sz[13])
+    # per-lane array finite and defined.
+    memset(w.lse, 0, sz[3] + sz[4] + sz[5] + sz[6] + sz[7] + sz[8] + sz[9] + sz[10])
     for i in range(<size_t>wcap):
         (<floating *>w.ones)[i] = 1
+    # The O(S) part: own malloc, freed after the call (the TLS scratch is kept between calls).
+    # Tiles are written before being read (fa_qkt, fa_softcap_grad); nothing past a
+    # sub-block's rows or lanes is read.
+    cdef size_t kt = _al((p.E + p.Ev) * a.ldkt * t + t)
+    cdef size_t tile = _al(a.trows * FA_BWD_LDS * t)
+    w.big = <char *>malloc(kt + (3 if p.softcap > 0 else 2) * tile + 64)
+    if w.big == NULL:
+        return NULL
+    c = <char *>(((<size_t>w.big) + 63) & ~(<size_t>63))
+    w.Kt = c
+    w.Vt = c + p.E * a.ldkt * t
+    c += kt
+    w.S = c; c += tile
+    w.dP = c; c += tile
+    w.G = c if p.softcap > 0 else NULL
     return w
 
 
-cdef void bwd_tile(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, ptrdiff_t b,
-                   ptrdiff_t hk, ptrdiff_t row0, ptrdiff_t rows, int64_t ja, int64_t jb,
-                   ptrdiff_t lo, ptrdiff_t hi, ptrdiff_t Wt, floating *dk_t,
-                   floating *dv_t) noexcept nogil:
-    """Keys [ja, jb) against lanes [lo, lo + Wt) of the started block; lanes [lo, hi) are
-    the real rows that may attend some of these keys (the others are masked or padding)."""
-    cdef ptrdiff_t E = p.E, Ev = p.Ev, m = jb - ja, ldt = FA_BWD_LDS
-    cdef const floating *K = <const floating *>p.k + ((b * p.Hkv + hk) * p.S + ja) * E
-    cdef const floating *V = <const floating *>p.v + ((b * p.Hkv + hk) * p.S + ja) * Ev
-    cdef floating *S = <floating *>w.S
-    cdef floating *dP = <floating *>w.dP
-    cdef floating *G = <floating *>w.G
-    cdef ptrdiff_t last = (lo + Wt if lo + Wt < rows else rows) - 1
-    cdef bint win_partial = ja < w.pos[last] - p.wl or jb - 1 > w.pos[lo] + p.wr
-    cdef bint masked = p.mask_kind != 0 or win_partial
-    cdef bint exact
+cdef inline void bwd_work_free(BwdWork *w) noexcept nogil:
+    if w != NULL:
+        free(w.big)
+        fa_scratch_release(w.base)
+
+
+cdef void pack_t(const floating *X, ptrdiff_t S, ptrdiff_t E, floating *Xt,
+                 ptrdiff_t ld) noexcept nogil:
+    """Xt[e][j] = X[j][e] for j < S, 0 for S <= j < ld (the padding fa_qkt may read)."""
+    cdef ptrdiff_t j, e, j0, j1
+    for j0 in range(0, S, 16):
+        j1 = min(S, j0 + 16)
+        for j in range(j0, j1):
+            for e in range(E):
+                Xt[e * ld + j] = X[j * E + e]
+    for e in range(E):
+        for j in range(S, ld):
+            Xt[e * ld + j] = 0
+
+
+ctypedef struct SubBlock:            # one key sub-block of a query block's band
+    int64_t ja, jb                   # keys
+    ptrdiff_t lo, hi, Wt             # lanes [lo, hi) may attend them; tiles cover [lo, lo + Wt)
+    ptrdiff_t r0                     # first tile row (ja - jlo)
+    bint win_partial                 # the band edge cuts through the tile
+
+
+cdef inline bint next_sub(AttnProblem *p, BwdArgs *a, ptrdiff_t pw, ptrdiff_t i0,
+                          ptrdiff_t rows, int64_t jlo, int64_t jhi, int64_t ja,
+                          SubBlock *sb) noexcept nogil:
+    """The sub-block starting at key ja (< jhi); False if no lane of the block needs it."""
+    cdef int64_t pmin = i0 + p.q_offset, pmax = i0 + rows - 1 + p.q_offset
+    cdef int64_t full_lo = pmax - p.wl, full_hi = pmin + p.wr   # inside the band for all rows
+    cdef int64_t jb
+    cdef ptrdiff_t lo, hi, last
+    if full_lo <= ja <= full_hi:
+        jb = min(ja + a.Bk, full_hi + 1, jhi)
+    else:
+        jb = min(ja + a.DB, jhi)
+        if ja < full_lo < jb:
+            jb = full_lo
+    sb.ja = ja
+    sb.jb = jb
+    # rows that may attend some key of [ja, jb): pos - wl <= jb - 1 and pos + wr >= ja
+    lo = <ptrdiff_t>max(<int64_t>0, ja - p.wr - p.q_offset - i0)
+    hi = <ptrdiff_t>min(<int64_t>rows, jb - 1 + p.wl - p.q_offset - i0 + 1)
+    if lo >= hi:
+        return False
+    lo = lo // pw * pw
+    sb.lo = lo
+    sb.hi = hi
+    sb.Wt = round_up(hi, pw) - lo
+    sb.r0 = ja - jlo
+    last = (lo + sb.Wt if lo + sb.Wt < rows else rows) - 1
+    sb.win_partial = (ja < i0 + last + p.q_offset - p.wl or
+                      jb - 1 > i0 + lo + p.q_offset + p.wr)
+    return True
+
+
+cdef void bwd_sweep1(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy,
+                     SubBlock *sb) noexcept nogil:
+    """S and dP of a sub-block into the band tiles; the score pipeline; P; D += sum P dP."""
+    cdef ptrdiff_t lo = sb.lo, Wt = sb.Wt, m = sb.jb - sb.ja, ldt = FA_BWD_LDS
+    cdef floating *S = <floating *>w.S + sb.r0 * ldt + lo
+    cdef floating *dP = <floating *>w.dP + sb.r0 * ldt + lo
     cdef int nv = k_nv(dummy)
-    k_qk(K, E, m, E, <const floating *>w.Qt + lo * E, Wt, nv, S, ldt, NULL,
-         <floating *>w.kpad, p.scale)
-    k_qk(V, Ev, m, Ev, <const floating *>w.dOt + lo * Ev, Wt, nv, dP, ldt, NULL,
-         <floating *>w.kpad, 1.0)
+    k_qkt(<const floating *>w.Kt + sb.ja, a.ldkt, m, p.E, <const floating *>w.Qt + lo * p.E,
+          Wt, nv, S, p.scale)
+    k_qkt(<const floating *>w.Vt + sb.ja, a.ldkt, m, p.Ev, <const floating *>w.dOt + lo * p.Ev,
+          Wt, nv, dP, 1.0)
     # the forward's score pipeline, in its order (softcap, ALiBi, float mask, bool mask, band)
     if p.softcap > 0:
-        k_softcap_grad(S, G, ldt, m, Wt, p.softcap)
+        k_softcap_grad(S, <floating *>w.G + sb.r0 * ldt + lo, ldt, m, Wt, p.softcap)
     if p.has_alibi:
-        k_alibi(S, ldt, m, Wt, ja, w.pos + lo, <const floating *>w.slope + lo)
+        k_alibi(S, ldt, m, Wt, sb.ja, w.pos + lo, <const floating *>w.slope + lo)
     if p.mask_kind == 2:
-        k_maskf(S, ldt, m, Wt, ja, <const floating *>p.mask_f, w.moff + lo, p.msj, p.msi == 0)
+        k_maskf(S, ldt, m, Wt, sb.ja, <const floating *>p.mask_f, w.moff + lo, p.msj,
+                p.msi == 0)
     elif p.mask_kind == 1:
-        k_maskb(S, ldt, m, Wt, ja, p.mask_b, w.moff + lo, p.msj, p.msi == 0)
-    if win_partial:
-        k_window(S, ldt, m, Wt, ja, w.pos + lo, p.wl, p.wr)
+        k_maskb(S, ldt, m, Wt, sb.ja, p.mask_b, w.moff + lo, p.msj, p.msi == 0)
+    if sb.win_partial:
+        k_window(S, ldt, m, Wt, sb.ja, w.pos + lo, p.wl, p.wr)
     if p.has_dropout:
-        k_dropout_scale(dP, ldt, m, Wt, ja, w.rk + lo, p.thresh, p.keep_scale)
-    k_bwd_ds(S, dP, G if p.softcap > 0 else NULL, m, Wt, <const floating *>w.lse + lo,
-             <const floating *>w.D + lo)
+        k_dropout_scale(dP, ldt, m, Wt, sb.ja, w.rk + lo, p.thresh, p.keep_scale)
+    k_bwd_p(S, dP, m, Wt, <const floating *>w.lse + lo, w.acc + lo)
+
+
+cdef void bwd_sweep2(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, ptrdiff_t b,
+                     ptrdiff_t hk, ptrdiff_t row0, SubBlock *sb, floating *dk_t,
+                     floating *dv_t) noexcept nogil:
+    """dS from the kept tiles; dV, dK of the sub-block's keys and dQ of the block."""
+    cdef ptrdiff_t lo = sb.lo, Wt = sb.Wt, m = sb.jb - sb.ja, ldt = FA_BWD_LDS
+    cdef ptrdiff_t E = p.E, Ev = p.Ev
+    cdef floating *S = <floating *>w.S + sb.r0 * ldt + lo
+    cdef floating *dP = <floating *>w.dP + sb.r0 * ldt + lo
+    cdef const floating *K = <const floating *>p.k + ((b * p.Hkv + hk) * p.S + sb.ja) * E
+    k_bwd_ds(S, dP, <floating *>w.G + sb.r0 * ldt + lo if p.softcap > 0 else NULL, m, Wt,
+             <const floating *>w.invZ + lo, w.D + lo)
     if p.has_dropout:
-        k_dropout(S, ldt, m, Wt, ja, w.rk + lo, p.thresh)
-    k_ptq(S, m, hi - lo, <const floating *>a.dout + (row0 + lo) * Ev, Ev, Ev, dv_t + ja * Ev, Ev)
-    k_ptq(dP, m, hi - lo, <const floating *>p.q + (row0 + lo) * E, E, E, dk_t + ja * E, E)
+        k_dropout(S, ldt, m, Wt, sb.ja, w.rk + lo, p.thresh)
+    k_ptq(S, m, sb.hi - lo, <const floating *>a.dout + (row0 + lo) * Ev, Ev, Ev,
+          dv_t + sb.ja * Ev, Ev)
+    k_ptq(dP, m, sb.hi - lo, <const floating *>p.q + (row0 + lo) * E, E, E, dk_t + sb.ja * E, E)
     # dS is 0 on masked keys, but 0 * NaN = NaN: a K block with Inf/NaN takes the exact path
-    exact = masked and not k_allfinite(K, m * E)
+    cdef bint exact = ((p.mask_kind != 0 or sb.win_partial) and
+                       not k_allfinite(K, m * E))
     k_pv(dP, ldt, m, K, E, E, <floating *>w.dQ + lo * a.ldq, a.ldq,
          <const floating *>w.ones, Wt, exact)
 
@@ -177,7 +261,10 @@ cdef void bwd_block(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, ptr
     cdef ptrdiff_t E = p.E, Ev = p.Ev, r, e, bh = b * p.Hq + h
     cdef ptrdiff_t row0 = bh * p.L + i0
     cdef floating *lse = <floating *>w.lse
-    cdef floating *D = <floating *>w.D
+    cdef double *D = w.D
+    cdef floating *invZ = <floating *>w.invZ
+    cdef double *acc = w.acc
+    cdef double z
     cdef floating *slope = <floating *>w.slope
     cdef floating *dQ = <floating *>w.dQ
     cdef floating *Qt = <floating *>w.Qt
@@ -195,15 +282,13 @@ cdef void bwd_block(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, ptr
             w.rk[r] = fa_row_key(p.seed, <uint32_t>bh, <uint32_t>(i0 + r))
         lv = flse[row0 + r]
         lse[r] = INFINITY if lv == -INFINITY else lv
-        D[r] = <floating>k_rowdot(<const floating *>a.dout + (row0 + r) * Ev,
-                                  <const floating *>a.fout + (row0 + r) * Ev, Ev)
     for r in range(rows, a.W + 16):
         w.pos[r] = w.pos[0]
         w.moff[r] = w.moff[0]
         slope[r] = slope[0]
         w.rk[r] = w.rk[0]
         lse[r] = INFINITY
-        D[r] = 0
+    memset(acc, 0, 2 * FA_BWD_LDS * sizeof(double))
     # pack Q and dO as the forward packs Q: panels [W/pw][E][pw], zero lanes past the rows
     for r in range(W):
         dst = Qt + (r // pw) * pw * E + r % pw
@@ -224,31 +309,26 @@ cdef void bwd_block(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, ptr
                 dst[e * pw] = 0
     memset(dQ, 0, W * a.ldq * sizeof(floating))
 
-    cdef int64_t pmin = i0 + p.q_offset, pmax = i0 + rows - 1 + p.q_offset
-    cdef int64_t jlo = pmin - p.wl, jhi = pmax + p.wr + 1
+    cdef int64_t jlo = i0 + p.q_offset - p.wl, jhi = i0 + rows - 1 + p.q_offset + p.wr + 1
     if jlo < 0:
         jlo = 0
     if jhi > p.S:
         jhi = p.S
-    # keys in [full_lo, full_hi] are inside the band for every row of the block
-    cdef int64_t full_lo = pmax - p.wl, full_hi = pmin + p.wr
-    cdef int64_t ja = jlo, jb
-    cdef ptrdiff_t lo, hi
+    cdef int64_t ja = jlo
+    cdef SubBlock sb
     while ja < jhi:
-        if full_lo <= ja <= full_hi:
-            jb = min(ja + a.Bk, full_hi + 1, jhi)
-        else:
-            jb = min(ja + a.DB, jhi)
-            if ja < full_lo < jb:
-                jb = full_lo
-        # the rows that may attend some key of [ja, jb): pos - wl <= jb - 1, pos + wr >= ja
-        lo = <ptrdiff_t>max(<int64_t>0, ja - p.wr - p.q_offset - i0)
-        hi = <ptrdiff_t>min(<int64_t>rows, jb - 1 + p.wl - p.q_offset - i0 + 1)
-        if lo < hi:
-            lo = lo // pw * pw
-            bwd_tile(p, a, w, dummy, b, hk, row0, rows, ja, jb, lo, hi,
-                     round_up(hi, pw) - lo, dk_t, dv_t)
-        ja = jb
+        if next_sub(p, a, pw, i0, rows, jlo, jhi, ja, &sb):
+            bwd_sweep1(p, a, w, dummy, &sb)
+        ja = sb.jb
+    for r in range(W):
+        z = acc[r]
+        invZ[r] = <floating>(1.0 / z) if z > 0 else 0
+        D[r] = acc[FA_BWD_LDS + r] / z if z > 0 else 0
+    ja = jlo
+    while ja < jhi:
+        if next_sub(p, a, pw, i0, rows, jlo, jhi, ja, &sb):
+            bwd_sweep2(p, a, w, dummy, b, hk, row0, &sb, dk_t, dv_t)
+        ja = sb.jb
 
     cdef floating sc = <floating>p.scale
     cdef floating *out
@@ -274,6 +354,8 @@ cdef void bwd_item(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy,
         dv_t = <floating *>a.vpart + (c * nbh + bhk) * nv
     memset(dk_t, 0, nk * sizeof(floating))
     memset(dv_t, 0, nv * sizeof(floating))
+    pack_t(<const floating *>p.k + bhk * nk, p.S, p.E, <floating *>w.Kt, a.ldkt)
+    pack_t(<const floating *>p.v + bhk * nv, p.S, p.Ev, <floating *>w.Vt, a.ldkt)
     for u in range(a.ubound[c], a.ubound[c + 1]):
         g = u // a.nqb
         bwd_block(p, a, w, dummy, b, hk * p.G + g, hk, (u % a.nqb) * a.W, dk_t, dv_t)
@@ -330,9 +412,17 @@ cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy,
     a.W = BWD_W
     a.Bk = BWD_BK
     a.DB = BWD_DB
-    a.mrows = round_up(max(a.Bk, a.DB), mr)
     a.ldq = round_up(p.E, k_vw(dummy)) if p.E > 0 else 1
     a.nqb = (p.L + a.W - 1) // a.W
+    # band tiles: the longest band of a block, plus a strip of slack (fa_qkt writes whole
+    # strips of MR rows)
+    a.trows = round_up(min(<int64_t>p.S, a.W - 1 + p.wl + p.wr + 1), mr) + mr
+    # Kᵀ rows: >= S + 16 (fa_qkt reads up to 11 keys past a block), an odd number of cache
+    # lines apart so the E rows of a column fall in different L1 sets
+    a.ldkt = round_up(p.S, 16) // 16 + 1
+    if a.ldkt % 2 == 0:
+        a.ldkt += 1
+    a.ldkt *= 16
     a.U = p.G * a.nqb
     a.kpart = a.vpart = NULL
     a.ubound = NULL
@@ -391,7 +481,7 @@ cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy,
         else:
             for it in range(n_items):
                 bwd_item(p, a, w, dummy, it)
-            fa_scratch_release(w.base)
+            bwd_work_free(w)
     else:
         with parallel(num_threads=nt):
             w = bwd_work_new(p, a, dummy)
@@ -400,8 +490,7 @@ cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy,
             for it in prange(n_items, schedule='dynamic'):
                 if w != NULL:
                     bwd_item(p, a, w, dummy, it)
-            if w != NULL:
-                fa_scratch_release(w.base)
+            bwd_work_free(w)
     if a.C > 1 and not fail:
         if nt == 1:
             for it in range(n_red):
@@ -458,7 +547,6 @@ def backward(const floating[:, :, :, ::1] q, const floating[:, :, :, ::1] k,
     p.mask_f = <const char *>&mask_float[0, 0, 0, 0] if mask_float.size else NULL
     p.alibi = <const char *>&alibi[0, 0] if alibi.size else NULL
     a.dout = <const char *>&dout[0, 0, 0, 0] if dout.size else NULL
-    a.fout = <const char *>&out[0, 0, 0, 0] if out.size else NULL
     a.flse = <const char *>&lse[0, 0, 0]
     a.dq = <char *>&dq[0, 0, 0, 0] if dq.size else NULL
     a.dk = <char *>&dk[0, 0, 0, 0] if dk.size else NULL

@@ -54,8 +54,13 @@ cdef extern from "fa_kernels.h" nogil:
         void (*qk_dot)(const float *K, ptrdiff_t ldk, ptrdiff_t n, ptrdiff_t E,
                        const float *Qr, ptrdiff_t ldq, int R, float *S,
                        ptrdiff_t lds, float scale) noexcept nogil
+        void (*qkt)(const float *Kt, ptrdiff_t ldkt, ptrdiff_t n, ptrdiff_t E,
+                    const float *Qt, ptrdiff_t W, int pw_nv, float *S,
+                    float scale) noexcept nogil
+        void (*bwd_p)(float *S, const float *dP, ptrdiff_t n, ptrdiff_t W, const float *lse,
+                      double *acc) noexcept nogil
         void (*bwd_ds)(float *S, float *dP, const float *G, ptrdiff_t n, ptrdiff_t W,
-                       const float *lse, const float *D) noexcept nogil
+                       const float *invZ, const double *D) noexcept nogil
         void (*ptq)(const float *Tl, ptrdiff_t n, ptrdiff_t ni, const float *X, ptrdiff_t ldx,
                     ptrdiff_t C, float *O, ptrdiff_t ldo) noexcept nogil
         void (*softcap_grad)(float *S, float *G, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W,
@@ -63,7 +68,6 @@ cdef extern from "fa_kernels.h" nogil:
         void (*dropout_scale)(float *P, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, int64_t j0,
                               const uint32_t *rk, uint32_t thresh,
                               float keep_scale) noexcept nogil
-        double (*rowdot)(const float *a, const float *b, ptrdiff_t n) noexcept nogil
 
     ctypedef struct fa_ops_d:
         int vw, mr, nv
@@ -102,8 +106,13 @@ cdef extern from "fa_kernels.h" nogil:
         void (*qk_dot)(const double *K, ptrdiff_t ldk, ptrdiff_t n, ptrdiff_t E,
                        const double *Qr, ptrdiff_t ldq, int R, double *S,
                        ptrdiff_t lds, double scale) noexcept nogil
+        void (*qkt)(const double *Kt, ptrdiff_t ldkt, ptrdiff_t n, ptrdiff_t E,
+                    const double *Qt, ptrdiff_t W, int pw_nv, double *S,
+                    double scale) noexcept nogil
+        void (*bwd_p)(double *S, const double *dP, ptrdiff_t n, ptrdiff_t W, const double *lse,
+                      double *acc) noexcept nogil
         void (*bwd_ds)(double *S, double *dP, const double *G, ptrdiff_t n, ptrdiff_t W,
-                       const double *lse, const double *D) noexcept nogil
+                       const double *invZ, const double *D) noexcept nogil
         void (*ptq)(const double *Tl, ptrdiff_t n, ptrdiff_t ni, const double *X, ptrdiff_t ldx,
                     ptrdiff_t C, double *O, ptrdiff_t ldo) noexcept nogil
         void (*softcap_grad)(double *S, double *G, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W,
@@ -111,7 +120,6 @@ cdef extern from "fa_kernels.h" nogil:
         void (*dropout_scale)(double *P, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, int64_t j0,
                               const uint32_t *rk, uint32_t thresh,
                               double keep_scale) noexcept nogil
-        double (*rowdot)(const double *a, const double *b, ptrdiff_t n) noexcept nogil
 
     const fa_ops_f *FA_OPS_F
     int FA_BWD_LDS
@@ -263,12 +271,27 @@ cdef inline void k_softmax_row(const floating *x, const uint8_t *mask, floating 
         FA_OPS_D.softmax_row(x, mask, out, n)
 
 
-cdef inline void k_bwd_ds(floating *S, floating *dP, const floating *G, ptrdiff_t n,
-                          ptrdiff_t W, const floating *lse, const floating *D) noexcept nogil:
+cdef inline void k_qkt(const floating *Kt, ptrdiff_t ldkt, ptrdiff_t n, ptrdiff_t E,
+                       const floating *Qt, ptrdiff_t W, int pw_nv, floating *S,
+                       double scale) noexcept nogil:
     if floating is float:
-        FA_OPS_F.bwd_ds(S, dP, G, n, W, lse, D)
+        FA_OPS_F.qkt(Kt, ldkt, n, E, Qt, W, pw_nv, S, <float>scale)
     else:
-        FA_OPS_D.bwd_ds(S, dP, G, n, W, lse, D)
+        FA_OPS_D.qkt(Kt, ldkt, n, E, Qt, W, pw_nv, S, scale)
+
+cdef inline void k_bwd_p(floating *S, const floating *dP, ptrdiff_t n, ptrdiff_t W,
+                         const floating *lse, double *acc) noexcept nogil:
+    if floating is float:
+        FA_OPS_F.bwd_p(S, dP, n, W, lse, acc)
+    else:
+        FA_OPS_D.bwd_p(S, dP, n, W, lse, acc)
+
+cdef inline void k_bwd_ds(floating *S, floating *dP, const floating *G, ptrdiff_t n,
+                          ptrdiff_t W, const floating *invZ, const double *D) noexcept nogil:
+    if floating is float:
+        FA_OPS_F.bwd_ds(S, dP, G, n, W, invZ, D)
+    else:
+        FA_OPS_D.bwd_ds(S, dP, G, n, W, invZ, D)
 
 cdef inline void k_ptq(const floating *T, ptrdiff_t n, ptrdiff_t ni, const floating *X,
                        ptrdiff_t ldx, ptrdiff_t C, floating *O, ptrdiff_t ldo) noexcept nogil:
@@ -291,12 +314,6 @@ cdef inline void k_dropout_scale(floating *P, ptrdiff_t lds, ptrdiff_t n, ptrdif
         FA_OPS_F.dropout_scale(P, lds, n, W, j0, rk, thresh, <float>keep_scale)
     else:
         FA_OPS_D.dropout_scale(P, lds, n, W, j0, rk, thresh, keep_scale)
-
-cdef inline double k_rowdot(const floating *a, const floating *b, ptrdiff_t n) noexcept nogil:
-    if floating is float:
-        return FA_OPS_F.rowdot(a, b, n)
-    else:
-        return FA_OPS_D.rowdot(a, b, n)
 
 
 # ---- small helpers ------------------------------------------------------------------------

@@ -513,47 +513,267 @@ FA_FN void FN(fa_softmax_row)(const FA_T *x, const uint8_t *mask, FA_T *out, ptr
  * down a column are constant displacements from one base register (a runtime stride would
  * need 12 row pointers, more than the free general registers). */
 
-/* P = exp(S - lse) and dS = P * (dP - D) [* G] in place (S <- P, dP <- dS), rows j < n, lanes
- * < W.  lse is +inf on lanes whose row had no key (P = 0 there), D = rowsum(dO * O).
- * dS is forced to 0 where P == 0: a masked key whose V holds Inf/NaN gives dP = Inf/NaN, and
- * 0 * Inf must not reach dQ/dK.  A NaN P (NaN in an allowed key) still propagates. */
-FA_INL void FN(fa_bwd_ds_group_)(const int NG, FA_T *S, FA_T *dP, const FA_T *Gs,
-                                 ptrdiff_t n, const FA_T *lse, const FA_T *D)
+/* S[j][lane] = scale * sum_e Kt[e][j] * Qt[lane][e]: fa_qk with K packed transposed (row
+ * stride ldkt over e, keys contiguous), so the 12 broadcasts of a step are constant
+ * displacements from one pointer.  fa_qk indexes the caller's K rows through 12 index
+ * registers, and GCC then spilled a Q vector (12 more loads per 24 FMAs).  The backward
+ * packs Kᵀ once per work item, where every query block of the item reuses it.  Same chunked
+ * summation, scale and rounding as fa_qk: the scores are the forward's, bit for bit.  Reads
+ * Kt columns up to round_up(n, FA_MR) - 1: the caller pads the rows. */
+FA_INL void FN(fa_qkt_tile_)(const int NVX, const FA_T *Kt, ptrdiff_t ldkt, const FA_T *Qp,
+                             ptrdiff_t E, FA_T *S, ptrdiff_t lds, FA_T scale)
 {
-    VT ls[4], dd[4];
+    VT acc[FA_MR][FA_NV];
+    ptrdiff_t e0 = 0;
+    do {
+        const ptrdiff_t e1 = E - e0 < FA_QK_CHUNK ? E : e0 + FA_QK_CHUNK;
+#pragma GCC unroll 16
+        for (int r = 0; r < FA_MR; r++)
+#pragma GCC unroll 4
+            for (int v = 0; v < NVX; v++) acc[r][v] = BC(0);
+        const FA_T *kt = Kt + e0 * ldkt;
+        const FA_T *qp = Qp + e0 * (NVX * FA_VW);
+        for (ptrdiff_t e = e0; e < e1; e++, kt += ldkt, qp += NVX * FA_VW) {
+            VT b[FA_NV];
+#pragma GCC unroll 4
+            for (int v = 0; v < NVX; v++) b[v] = LD(qp + v * FA_VW);
+#pragma GCC unroll 16
+            for (int r = 0; r < FA_MR; r++) {
+                VT a = BC(kt[r]);
+#pragma GCC unroll 4
+                for (int v = 0; v < NVX; v++) acc[r][v] += a * b[v];
+            }
+        }
+        if (e1 < E) {
+#pragma GCC unroll 16
+            for (int r = 0; r < FA_MR; r++)
+#pragma GCC unroll 4
+                for (int v = 0; v < NVX; v++) {
+                    FA_T *dst = S + r * lds + v * FA_VW;
+                    ST(dst, e0 ? LD(dst) + acc[r][v] : acc[r][v]);
+                }
+        } else if (e0) {
+#pragma GCC unroll 16
+            for (int r = 0; r < FA_MR; r++)
+#pragma GCC unroll 4
+                for (int v = 0; v < NVX; v++) acc[r][v] += LD(S + r * lds + v * FA_VW);
+        }
+        e0 = e1;
+    } while (e0 < E);
+    const VT sc = BC(scale);
+#pragma GCC unroll 16
+    for (int r = 0; r < FA_MR; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < NVX; v++) ST(S + r * lds + v * FA_VW, acc[r][v] * sc);
+}
+
+/* One register tile per call, S rows at the fixed stride FA_BWD_LDS: inlined into the loop
+ * below, GCC parked loop variables in zmm28-31 and spilled a Q vector to the stack (12 more
+ * loads per 24 FMAs); on its own the tile gets a clean allocation.  ~800 cycles per call. */
+static __attribute__((noinline)) FA_ATTR void FN(fa_qkt_full_)(const FA_T *Kt, ptrdiff_t ldkt,
+                                                              const FA_T *Qp, ptrdiff_t E,
+                                                              FA_T *S, FA_T scale)
+{
+    FN(fa_qkt_tile_)(FA_NV, Kt, ldkt, Qp, E, S, FA_BWD_LDS, scale);
+}
+static __attribute__((noinline)) FA_ATTR void FN(fa_qkt_one_)(const FA_T *Kt, ptrdiff_t ldkt,
+                                                             const FA_T *Qp, ptrdiff_t E,
+                                                             FA_T *S, FA_T scale)
+{
+    FN(fa_qkt_tile_)(1, Kt, ldkt, Qp, E, S, FA_BWD_LDS, scale);
+}
+
+/* S (row stride FA_BWD_LDS) for keys j < n (rows up to round_up(n, FA_MR) are written) and
+ * lanes < W (multiple of pw_nv * VW). */
+FA_FN void FN(fa_qkt)(const FA_T *Kt, ptrdiff_t ldkt, ptrdiff_t n, ptrdiff_t E,
+                      const FA_T *Qt, ptrdiff_t W, int pw_nv, FA_T *S, FA_T scale)
+{
+    const ptrdiff_t pw = (ptrdiff_t)pw_nv * FA_VW;
+    for (ptrdiff_t p0 = 0; p0 < W; p0 += pw) {
+        const FA_T *Qp = Qt + p0 * E;
+        for (ptrdiff_t j0 = 0; j0 < n; j0 += FA_MR) {
+            if (pw_nv == FA_NV)
+                FN(fa_qkt_full_)(Kt + j0, ldkt, Qp, E, S + j0 * FA_BWD_LDS + p0, scale);
+            else
+                FN(fa_qkt_one_)(Kt + j0, ldkt, Qp, E, S + j0 * FA_BWD_LDS + p0, scale);
+        }
+    }
+}
+
+/* Sweep 1 of a query block: P = exp(S - lse) in place (rows j < n, lanes < W; lse is +inf
+ * on lanes whose row had no key, so P = 0 there), and per lane, compensated (sum, comp):
+ *     Z += sum_j P,    D += sum_j P * dP   (in double; terms with P == 0 skipped: dP may
+ *                                           be Inf/NaN under a masked key)
+ * Sweep 2 then works with Phat = P / Z and D / Z, both taken from these very tiles:
+ *   - D / Z is FlashAttention-2's rowsum(dO * O), but summed from the same rounded P and dP
+ *     that form dS = Phat (dP - D/Z), so they cancel where attention concentrates on one key
+ *     (there the true dS is ~0; D from the float32 out left ~eps*|dP| of noise);
+ *   - P = exp(S - lse) carries the rounding of lse times |lse| (~15 eps for logits ~15) as a
+ *     per-row factor; dividing by Z = sum P normalizes it away.
+ * Together they took the float32 gradients from up to 4-15x the error of a naive float32
+ * softmax backward (concentrated rows) to below 0.5x. */
+#if FA_ISF
+/* float lanes summed in double: a float vector splits into two double vectors */
+typedef float FA_CAT(fa_vth_, FA_SFX) __attribute__((vector_size(FA_VW * 2)));
+typedef double FA_CAT(fa_vd_, FA_SFX) __attribute__((vector_size(FA_VW * 4)));
+#define VTH FA_CAT(fa_vth_, FA_SFX)
+#define VD FA_CAT(fa_vd_, FA_SFX)
+#if FA_VW == 16
+#define FA_LOHALF(x) __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
+#define FA_HIHALF(x) __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15)
+#define FA_CONCAT(a, b) __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, \
+                                                13, 14, 15)
+#elif FA_VW == 8
+#define FA_LOHALF(x) __builtin_shufflevector(x, x, 0, 1, 2, 3)
+#define FA_HIHALF(x) __builtin_shufflevector(x, x, 4, 5, 6, 7)
+#define FA_CONCAT(a, b) __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7)
+#else
+#define FA_LOHALF(x) __builtin_shufflevector(x, x, 0, 1)
+#define FA_HIHALF(x) __builtin_shufflevector(x, x, 2, 3)
+#define FA_CONCAT(a, b) __builtin_shufflevector(a, b, 0, 1, 2, 3)
+#endif
+#define FA_TOD(h) __builtin_convertvector(h, VD)
+#endif
+
+/* acc: per lane [Z (double), D (double)], acc + 0 and acc + FA_BWD_LDS doubles.  Sums in
+ * double: rounded float32 products and a float32 running sum (even compensated) left D ~2 ulp
+ * off, which the cancellation above turns into ~eps*|dP| in dS. */
+FA_INL void FN(fa_bwd_p_group_)(const int NG, FA_T *S, const FA_T *dP, ptrdiff_t n,
+                                const FA_T *lse, double *acc)
+{
+    VT ls[4];
+#if FA_ISF
+    VD z[4][2], d[4][2];
 #pragma GCC unroll 4
     for (int g = 0; g < NG; g++) {
         ls[g] = LD(lse + g * FA_VW);
-        dd[g] = LD(D + g * FA_VW);
+        for (int h = 0; h < 2; h++) {
+            memcpy(&z[g][h], acc + g * FA_VW + h * (FA_VW / 2), sizeof(VD));
+            memcpy(&d[g][h], acc + FA_BWD_LDS + g * FA_VW + h * (FA_VW / 2), sizeof(VD));
+        }
     }
     for (ptrdiff_t j = 0; j < n; j++) {
-        FA_T *srow = S + j * FA_BWD_LDS, *drow = dP + j * FA_BWD_LDS;
+        FA_T *srow = S + j * FA_BWD_LDS;
+        const FA_T *drow = dP + j * FA_BWD_LDS;
 #pragma GCC unroll 4
         for (int g = 0; g < NG; g++) {
             VT p = VEXP(LD(srow + g * FA_VW) - ls[g]);
-            VT ds = p * (LD(drow + g * FA_VW) - dd[g]);
+            ST(srow + g * FA_VW, p);
+            VI live = p != BC(0);
+            VT dp = SEL(live, LD(drow + g * FA_VW), BC(0));
+            VD pl = FA_TOD(FA_LOHALF(p)), ph = FA_TOD(FA_HIHALF(p));
+            z[g][0] += pl;
+            z[g][1] += ph;
+            d[g][0] += pl * FA_TOD(FA_LOHALF(dp));
+            d[g][1] += ph * FA_TOD(FA_HIHALF(dp));
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; g++)
+        for (int h = 0; h < 2; h++) {
+            memcpy(acc + g * FA_VW + h * (FA_VW / 2), &z[g][h], sizeof(VD));
+            memcpy(acc + FA_BWD_LDS + g * FA_VW + h * (FA_VW / 2), &d[g][h], sizeof(VD));
+        }
+#else
+    VT z[4], d[4];
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; g++) {
+        ls[g] = LD(lse + g * FA_VW);
+        z[g] = LD(acc + g * FA_VW);
+        d[g] = LD(acc + FA_BWD_LDS + g * FA_VW);
+    }
+    for (ptrdiff_t j = 0; j < n; j++) {
+        FA_T *srow = S + j * FA_BWD_LDS;
+        const FA_T *drow = dP + j * FA_BWD_LDS;
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; g++) {
+            VT p = VEXP(LD(srow + g * FA_VW) - ls[g]);
+            ST(srow + g * FA_VW, p);
+            VI live = p != BC(0);
+            z[g] += p;
+            d[g] += p * SEL(live, LD(drow + g * FA_VW), BC(0));
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; g++) {
+        ST(acc + g * FA_VW, z[g]);
+        ST(acc + FA_BWD_LDS + g * FA_VW, d[g]);
+    }
+#endif
+}
+
+FA_FN void FN(fa_bwd_p)(FA_T *S, const FA_T *dP, ptrdiff_t n, ptrdiff_t W, const FA_T *lse,
+                        double *acc)
+{
+    ptrdiff_t i = 0;
+    for (; i + 4 * FA_VW <= W; i += 4 * FA_VW)
+        FN(fa_bwd_p_group_)(4, S + i, dP + i, n, lse + i, acc + i);
+    for (; i < W; i += FA_VW)
+        FN(fa_bwd_p_group_)(1, S + i, dP + i, n, lse + i, acc + i);
+}
+
+/* Sweep 2: Phat = P * invZ in place of P, and dS = Phat * (dP - D) [* G] in place of dP
+ * (rows j < n, lanes < W), dS forced to 0 where P == 0: a masked key whose V holds Inf/NaN
+ * gives dP = Inf/NaN, and 0 * Inf must not reach dQ/dK.  A NaN P (NaN in an allowed key)
+ * still propagates.  D stays in double through dP - D (float: the halves are converted), so
+ * the difference, which is small exactly where it matters, is rounded once. */
+FA_INL void FN(fa_bwd_ds_group_)(const int NG, FA_T *S, FA_T *dP, const FA_T *Gs,
+                                 ptrdiff_t n, const FA_T *invZ, const double *D)
+{
+    VT iz[4];
+#if FA_ISF
+    VD dd[4][2];
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; g++) {
+        iz[g] = LD(invZ + g * FA_VW);
+        memcpy(&dd[g][0], D + g * FA_VW, sizeof(VD));
+        memcpy(&dd[g][1], D + g * FA_VW + FA_VW / 2, sizeof(VD));
+    }
+#else
+    VT dd[4];
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; g++) {
+        iz[g] = LD(invZ + g * FA_VW);
+        dd[g] = LD(D + g * FA_VW);
+    }
+#endif
+    for (ptrdiff_t j = 0; j < n; j++) {
+        FA_T *srow = S + j * FA_BWD_LDS;
+        FA_T *drow = dP + j * FA_BWD_LDS;
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; g++) {
+            VT p = LD(srow + g * FA_VW) * iz[g];
+            ST(srow + g * FA_VW, p);
+            VT dp = LD(drow + g * FA_VW);
+#if FA_ISF
+            VTH lo = __builtin_convertvector(FA_TOD(FA_LOHALF(dp)) - dd[g][0], VTH);
+            VTH hi = __builtin_convertvector(FA_TOD(FA_HIHALF(dp)) - dd[g][1], VTH);
+            VT diff = FA_CONCAT(lo, hi);
+#else
+            VT diff = dp - dd[g];
+#endif
+            VT ds = p * diff;
             if (Gs) ds *= LD(Gs + j * FA_BWD_LDS + g * FA_VW);
             VI live = p != BC(0);
-            ST(srow + g * FA_VW, p);
             ST(drow + g * FA_VW, SEL(live, ds, BC(0)));
         }
     }
 }
 
 FA_FN void FN(fa_bwd_ds)(FA_T *S, FA_T *dP, const FA_T *Gs, ptrdiff_t n, ptrdiff_t W,
-                         const FA_T *lse, const FA_T *D)
+                         const FA_T *invZ, const double *D)
 {
     ptrdiff_t i = 0;
     if (Gs) {
         for (; i + 4 * FA_VW <= W; i += 4 * FA_VW)
-            FN(fa_bwd_ds_group_)(4, S + i, dP + i, Gs + i, n, lse + i, D + i);
+            FN(fa_bwd_ds_group_)(4, S + i, dP + i, Gs + i, n, invZ + i, D + i);
         for (; i < W; i += FA_VW)
-            FN(fa_bwd_ds_group_)(1, S + i, dP + i, Gs + i, n, lse + i, D + i);
+            FN(fa_bwd_ds_group_)(1, S + i, dP + i, Gs + i, n, invZ + i, D + i);
     } else {
         for (; i + 4 * FA_VW <= W; i += 4 * FA_VW)
-            FN(fa_bwd_ds_group_)(4, S + i, dP + i, NULL, n, lse + i, D + i);
+            FN(fa_bwd_ds_group_)(4, S + i, dP + i, NULL, n, invZ + i, D + i);
         for (; i < W; i += FA_VW)
-            FN(fa_bwd_ds_group_)(1, S + i, dP + i, NULL, n, lse + i, D + i);
+            FN(fa_bwd_ds_group_)(1, S + i, dP + i, NULL, n, invZ + i, D + i);
     }
 }
 
@@ -679,17 +899,6 @@ FA_FN void FN(fa_dropout_scale)(FA_T *P, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W
     }
 }
 
-/* sum_e a[e] * b[e] in double (D = rowsum(dO * O)); 8 partial sums so it vectorizes */
-FA_FN double FN(fa_rowdot)(const FA_T *a, const FA_T *b, ptrdiff_t n)
-{
-    double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    ptrdiff_t e = 0;
-    for (; e + 8 <= n; e += 8)
-        for (int k = 0; k < 8; k++) s[k] += (double)a[e + k] * (double)b[e + k];
-    for (; e < n; e++) s[0] += (double)a[e] * (double)b[e];
-    return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
-}
-
 /* ---------------------------------------------------------------- ops table ------------- */
 static const FA_CAT(fa_ops_, FA_TS) FA_CAT(fa_ops_, FA_SFX) = {
     FA_VW, FA_MR, FA_NV, FA_STR(FA_SFX),
@@ -701,7 +910,8 @@ static const FA_CAT(fa_ops_, FA_TS) FA_CAT(fa_ops_, FA_SFX) = {
 #else
     NULL,
 #endif
-    FN(fa_bwd_ds), FN(fa_ptq), FN(fa_softcap_grad), FN(fa_dropout_scale), FN(fa_rowdot),
+    FN(fa_qkt), FN(fa_bwd_p), FN(fa_bwd_ds), FN(fa_ptq), FN(fa_softcap_grad),
+    FN(fa_dropout_scale),
 };
 
 #undef FN
@@ -713,6 +923,12 @@ static const FA_CAT(fa_ops_, FA_TS) FA_CAT(fa_ops_, FA_SFX) = {
 #undef FA_PV_CHUNK
 #undef FA_QK_CHUNK
 #undef FA_PTQ_MAXR
+#undef VTH
+#undef VD
+#undef FA_LOHALF
+#undef FA_HIHALF
+#undef FA_TOD
+#undef FA_CONCAT
 #undef FA_INL
 #undef FA_FN
 #undef LD

@@ -54,21 +54,24 @@ typedef struct {                                                                
     void (*qk_dot)(const T *K, ptrdiff_t ldk, ptrdiff_t n, ptrdiff_t E, const T *Qr,        \
                    ptrdiff_t ldq, int R, T *S, ptrdiff_t lds, T scale);                     \
     /* backward (tiles with row stride FA_BWD_LDS) */                                       \
-    void (*bwd_ds)(T *S, T *dP, const T *G, ptrdiff_t n, ptrdiff_t W, const T *lse,         \
-                   const T *D);                                                             \
+    void (*qkt)(const T *Kt, ptrdiff_t ldkt, ptrdiff_t n, ptrdiff_t E, const T *Qt,         \
+                ptrdiff_t W, int pw_nv, T *S, T scale);                                     \
+    void (*bwd_p)(T *S, const T *dP, ptrdiff_t n, ptrdiff_t W, const T *lse, double *acc);  \
+    void (*bwd_ds)(T *S, T *dP, const T *G, ptrdiff_t n, ptrdiff_t W, const T *invZ,         \
+                   const double *D);                                                        \
     void (*ptq)(const T *Tl, ptrdiff_t n, ptrdiff_t ni, const T *X, ptrdiff_t ldx,          \
                 ptrdiff_t C, T *O, ptrdiff_t ldo);                                          \
     void (*softcap_grad)(T *S, T *G, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, T cap);       \
     void (*dropout_scale)(T *P, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, int64_t j0,        \
                           const uint32_t *rk, uint32_t thresh, T keep_scale);               \
-    double (*rowdot)(const T *a, const T *b, ptrdiff_t n);                                  \
 } fa_ops_##TS;
 
 /* Row stride (elements) of the backward's score tiles: a compile-time constant so that the
- * column broadcasts of fa_ptq are displacements from one register.  Holds up to 192 lanes;
- * +16 keeps consecutive rows off the same 4 KiB alias. */
-#define FA_BWD_LDS 208
-#define FA_BWD_MAXW 192
+ * column broadcasts of fa_ptq and fa_qkt's stores are displacements from one register.  Holds
+ * up to 96 lanes (= lcm of the register tiles, 12 rows x 32 lanes); +16 keeps consecutive
+ * rows off the same 4 KiB alias. */
+#define FA_BWD_LDS 112
+#define FA_BWD_MAXW 96
 
 FA_DECLARE_OPS(f, float)
 FA_DECLARE_OPS(d, double)
