@@ -75,7 +75,7 @@ ctypedef struct BwdWork:             # per-thread scratch
     char *dQ                         # dQ of the block, [W + 16][ldq]
     char *lse                        # per lane: lse (+inf for rows without keys)
     double *acc                      #           sweep-1 sums Z, D (double), FA_BWD_LDS apart
-    double *invZ                     #           1 / sum_j P
+    char *invZ                       #           1 / sum_j P
     double *D                        #           sum_j P dP / sum_j P (double: see fa_bwd_ds)
     char *slope                      #           ALiBi slope
     char *ones                       #           1 (fa_pv's rescale factor)
@@ -91,8 +91,8 @@ cdef BwdWork *bwd_work_new(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept
     sz[0] = _al(a.W * p.E * t + t)
     sz[1] = _al(a.W * p.Ev * t + t)
     sz[2] = _al(wcap * a.ldq * t)
-    sz[3] = sz[6] = sz[7] = _al(wcap * t)
-    sz[4] = sz[5] = sz[8] = sz[9] = _al(wcap * 8)
+    sz[3] = sz[4] = sz[6] = sz[7] = _al(wcap * t)
+    sz[5] = sz[8] = sz[9] = _al(wcap * 8)
     sz[10] = _al(wcap * 4)
     sz[11] = _al(sizeof(BwdWork))
     sz[12] = _al(2 * FA_BWD_LDS * 8)
@@ -110,7 +110,7 @@ cdef BwdWork *bwd_work_new(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept
     w.dOt = c; c += sz[1]
     w.dQ = c; c += sz[2]
     w.lse = c; c += sz[3]
-    w.invZ = <double *>c; c += sz[4]
+    w.invZ = c; c += sz[4]
     w.D = <double *>c; c += sz[5]
     w.slope = c; c += sz[6]
     w.ones = c; c += sz[7]
@@ -238,7 +238,7 @@ cdef void bwd_sweep2(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, pt
     cdef floating *dP = <floating *>w.dP + sb.r0 * ldt + lo
     cdef const floating *K = <const floating *>p.k + ((b * p.Hkv + hk) * p.S + sb.ja) * E
     k_bwd_ds(S, dP, <floating *>w.G + sb.r0 * ldt + lo if p.softcap > 0 else NULL, m, Wt,
-             w.invZ + lo, w.D + lo)
+             <const floating *>w.invZ + lo, w.D + lo)
     if p.has_dropout:
         k_dropout(S, ldt, m, Wt, sb.ja, w.rk + lo, p.thresh)
     k_ptq(S, m, sb.hi - lo, <const floating *>a.dout + (row0 + lo) * Ev, Ev, Ev,
@@ -262,7 +262,7 @@ cdef void bwd_block(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, ptr
     cdef ptrdiff_t row0 = bh * p.L + i0
     cdef floating *lse = <floating *>w.lse
     cdef double *D = w.D
-    cdef double *invZ = w.invZ
+    cdef floating *invZ = <floating *>w.invZ
     cdef double *acc = w.acc
     cdef double z
     cdef floating *slope = <floating *>w.slope
@@ -322,7 +322,7 @@ cdef void bwd_block(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, ptr
         ja = sb.jb
     for r in range(W):
         z = acc[r]
-        invZ[r] = 1.0 / z if z > 0 else 0
+        invZ[r] = <floating>(1.0 / z) if z > 0 else 0
         D[r] = acc[FA_BWD_LDS + r] / z if z > 0 else 0
     ja = jlo
     while ja < jhi:

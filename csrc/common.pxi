@@ -60,7 +60,7 @@ cdef extern from "fa_kernels.h" nogil:
         void (*bwd_p)(float *S, const float *dP, ptrdiff_t n, ptrdiff_t W, const float *lse,
                       double *acc) noexcept nogil
         void (*bwd_ds)(float *S, float *dP, const float *G, ptrdiff_t n, ptrdiff_t W,
-                       const double *invZ, const double *D) noexcept nogil
+                       const float *invZ, const double *D) noexcept nogil
         void (*ptq)(const float *Tl, ptrdiff_t n, ptrdiff_t ni, const float *X, ptrdiff_t ldx,
                     ptrdiff_t C, float *O, ptrdiff_t ldo) noexcept nogil
         void (*softcap_grad)(float *S, float *G, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W,
@@ -287,7 +287,7 @@ cdef inline void k_bwd_p(floating *S, const floating *dP, ptrdiff_t n, ptrdiff_t
         FA_OPS_D.bwd_p(S, dP, n, W, lse, acc)
 
 cdef inline void k_bwd_ds(floating *S, floating *dP, const floating *G, ptrdiff_t n,
-                          ptrdiff_t W, const double *invZ, const double *D) noexcept nogil:
+                          ptrdiff_t W, const floating *invZ, const double *D) noexcept nogil:
     if floating is float:
         FA_OPS_F.bwd_ds(S, dP, G, n, W, invZ, D)
     else:

@@ -712,71 +712,56 @@ FA_FN void FN(fa_bwd_p)(FA_T *S, const FA_T *dP, ptrdiff_t n, ptrdiff_t W, const
         FN(fa_bwd_p_group_)(1, S + i, dP + i, n, lse + i, acc + i);
 }
 
-/* Sweep 2: Phat = P / Z in place of P, and dS = Phat * (dP - D) [* G] in place of dP
+/* Sweep 2: Phat = P * invZ in place of P, and dS = Phat * (dP - D) [* G] in place of dP
  * (rows j < n, lanes < W), dS forced to 0 where P == 0: a masked key whose V holds Inf/NaN
  * gives dP = Inf/NaN, and 0 * Inf must not reach dQ/dK.  A NaN P (NaN in an allowed key)
- * still propagates.  float: evaluated in double (the vectors split in halves) and rounded once
- * per result, so D keeps its double precision through dP - D (small exactly where it matters)
- * and Phat = P * (1/Z) is within ~0.5 ulp of P / Z (1 exactly for a row with one key). */
+ * still propagates.  D stays in double through dP - D (float: the halves are converted), so
+ * the difference, which is small exactly where it matters, is rounded once. */
 FA_INL void FN(fa_bwd_ds_group_)(const int NG, FA_T *S, FA_T *dP, const FA_T *Gs,
-                                 ptrdiff_t n, const double *invZ, const double *D)
+                                 ptrdiff_t n, const FA_T *invZ, const double *D)
 {
+    VT iz[4];
 #if FA_ISF
-    VD iz[4][2], dd[4][2];
+    VD dd[4][2];
 #pragma GCC unroll 4
-    for (int g = 0; g < NG; g++)
-        for (int h = 0; h < 2; h++) {
-            memcpy(&iz[g][h], invZ + g * FA_VW + h * (FA_VW / 2), sizeof(VD));
-            memcpy(&dd[g][h], D + g * FA_VW + h * (FA_VW / 2), sizeof(VD));
-        }
-    for (ptrdiff_t j = 0; j < n; j++) {
-        FA_T *srow = S + j * FA_BWD_LDS;
-        FA_T *drow = dP + j * FA_BWD_LDS;
-#pragma GCC unroll 4
-        for (int g = 0; g < NG; g++) {
-            VT p = LD(srow + g * FA_VW);
-            VT dp = LD(drow + g * FA_VW);
-            VD pl = FA_TOD(FA_LOHALF(p)) * iz[g][0], ph = FA_TOD(FA_HIHALF(p)) * iz[g][1];
-            VD sl = pl * (FA_TOD(FA_LOHALF(dp)) - dd[g][0]);
-            VD sh = ph * (FA_TOD(FA_HIHALF(dp)) - dd[g][1]);
-            if (Gs) {
-                VT gv = LD(Gs + j * FA_BWD_LDS + g * FA_VW);
-                sl *= FA_TOD(FA_LOHALF(gv));
-                sh *= FA_TOD(FA_HIHALF(gv));
-            }
-            VT pn = FA_CONCAT(__builtin_convertvector(pl, VTH), __builtin_convertvector(ph, VTH));
-            VT ds = FA_CONCAT(__builtin_convertvector(sl, VTH), __builtin_convertvector(sh, VTH));
-            ST(srow + g * FA_VW, pn);
-            VI live = p != BC(0);
-            ST(drow + g * FA_VW, SEL(live, ds, BC(0)));
-        }
+    for (int g = 0; g < NG; g++) {
+        iz[g] = LD(invZ + g * FA_VW);
+        memcpy(&dd[g][0], D + g * FA_VW, sizeof(VD));
+        memcpy(&dd[g][1], D + g * FA_VW + FA_VW / 2, sizeof(VD));
     }
 #else
-    VT iz[4], dd[4];
+    VT dd[4];
 #pragma GCC unroll 4
     for (int g = 0; g < NG; g++) {
         iz[g] = LD(invZ + g * FA_VW);
         dd[g] = LD(D + g * FA_VW);
     }
+#endif
     for (ptrdiff_t j = 0; j < n; j++) {
         FA_T *srow = S + j * FA_BWD_LDS;
         FA_T *drow = dP + j * FA_BWD_LDS;
 #pragma GCC unroll 4
         for (int g = 0; g < NG; g++) {
-            VT p0 = LD(srow + g * FA_VW);
-            VT p = p0 * iz[g];
+            VT p = LD(srow + g * FA_VW) * iz[g];
             ST(srow + g * FA_VW, p);
-            VT ds = p * (LD(drow + g * FA_VW) - dd[g]);
+            VT dp = LD(drow + g * FA_VW);
+#if FA_ISF
+            VTH lo = __builtin_convertvector(FA_TOD(FA_LOHALF(dp)) - dd[g][0], VTH);
+            VTH hi = __builtin_convertvector(FA_TOD(FA_HIHALF(dp)) - dd[g][1], VTH);
+            VT diff = FA_CONCAT(lo, hi);
+#else
+            VT diff = dp - dd[g];
+#endif
+            VT ds = p * diff;
             if (Gs) ds *= LD(Gs + j * FA_BWD_LDS + g * FA_VW);
-            VI live = p0 != BC(0);
+            VI live = p != BC(0);
             ST(drow + g * FA_VW, SEL(live, ds, BC(0)));
         }
     }
-#endif
 }
 
 FA_FN void FN(fa_bwd_ds)(FA_T *S, FA_T *dP, const FA_T *Gs, ptrdiff_t n, ptrdiff_t W,
-                         const double *invZ, const double *D)
+                         const FA_T *invZ, const double *D)
 {
     ptrdiff_t i = 0;
     if (Gs) {

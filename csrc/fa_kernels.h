@@ -57,7 +57,7 @@ typedef struct {                                                                
     void (*qkt)(const T *Kt, ptrdiff_t ldkt, ptrdiff_t n, ptrdiff_t E, const T *Qt,         \
                 ptrdiff_t W, int pw_nv, T *S, T scale);                                     \
     void (*bwd_p)(T *S, const T *dP, ptrdiff_t n, ptrdiff_t W, const T *lse, double *acc);  \
-    void (*bwd_ds)(T *S, T *dP, const T *G, ptrdiff_t n, ptrdiff_t W, const double *invZ,    \
+    void (*bwd_ds)(T *S, T *dP, const T *G, ptrdiff_t n, ptrdiff_t W, const T *invZ,         \
                    const double *D);                                                        \
     void (*ptq)(const T *Tl, ptrdiff_t n, ptrdiff_t ni, const T *X, ptrdiff_t ldx,          \
                 ptrdiff_t C, T *O, ptrdiff_t ldo);                                          \
