@@ -150,15 +150,27 @@ cdef inline void bwd_work_free(BwdWork *w) noexcept nogil:
 cdef void pack_t(const floating *X, ptrdiff_t S, ptrdiff_t E, floating *Xt,
                  ptrdiff_t ld) noexcept nogil:
     """Xt[e][j] = X[j][e] for j < S, 0 for S <= j < ld (the padding fa_qkt may read)."""
-    cdef ptrdiff_t j, e, j0, j1
-    for j0 in range(0, S, 16):
-        j1 = min(S, j0 + 16)
-        for j in range(j0, j1):
-            for e in range(E):
-                Xt[e * ld + j] = X[j * E + e]
+    cdef ptrdiff_t j, e
+    k_transpose(X, E, S, E, Xt, ld)
     for e in range(E):
         for j in range(S, ld):
             Xt[e * ld + j] = 0
+
+
+cdef void pack_panels(const floating *X, ptrdiff_t rows, ptrdiff_t W, ptrdiff_t pw,
+                      ptrdiff_t E, floating *Xt) noexcept nogil:
+    """The forward's Q packing: panels [W/pw][E][pw], lanes r < rows from the rows of X,
+    zero lanes past them."""
+    cdef ptrdiff_t p0 = 0, n, e, r
+    while p0 < W:
+        n = min(pw, rows - p0) if rows > p0 else 0
+        if n > 0:
+            k_transpose(X + p0 * E, E, n, E, Xt + p0 * E, pw)
+        if n < pw:
+            for e in range(E):
+                for r in range(n, pw):
+                    Xt[p0 * E + e * pw + r] = 0
+        p0 += pw
 
 
 ctypedef struct SubBlock:            # one key sub-block of a query block's band
@@ -269,8 +281,6 @@ cdef void bwd_block(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, ptr
     cdef floating *dQ = <floating *>w.dQ
     cdef floating *Qt = <floating *>w.Qt
     cdef floating *dOt = <floating *>w.dOt
-    cdef floating *dst
-    cdef const floating *src
     cdef const floating *flse = <const floating *>a.flse
     cdef floating lv
     for r in range(rows):
@@ -290,23 +300,8 @@ cdef void bwd_block(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, ptr
         lse[r] = INFINITY
     memset(acc, 0, 2 * FA_BWD_LDS * sizeof(double))
     # pack Q and dO as the forward packs Q: panels [W/pw][E][pw], zero lanes past the rows
-    for r in range(W):
-        dst = Qt + (r // pw) * pw * E + r % pw
-        if r < rows:
-            src = <const floating *>p.q + (row0 + r) * E
-            for e in range(E):
-                dst[e * pw] = src[e]
-        else:
-            for e in range(E):
-                dst[e * pw] = 0
-        dst = dOt + (r // pw) * pw * Ev + r % pw
-        if r < rows:
-            src = <const floating *>a.dout + (row0 + r) * Ev
-            for e in range(Ev):
-                dst[e * pw] = src[e]
-        else:
-            for e in range(Ev):
-                dst[e * pw] = 0
+    pack_panels(<const floating *>p.q + row0 * E, rows, W, pw, E, Qt)
+    pack_panels(<const floating *>a.dout + row0 * Ev, rows, W, pw, Ev, dOt)
     memset(dQ, 0, W * a.ldq * sizeof(floating))
 
     cdef int64_t jlo = i0 + p.q_offset - p.wl, jhi = i0 + rows - 1 + p.q_offset + p.wr + 1

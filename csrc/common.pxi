@@ -68,6 +68,8 @@ cdef extern from "fa_kernels.h" nogil:
         void (*dropout_scale)(float *P, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, int64_t j0,
                               const uint32_t *rk, uint32_t thresh,
                               float keep_scale) noexcept nogil
+        void (*transpose)(const float *src, ptrdiff_t lds, ptrdiff_t R, ptrdiff_t C, float *dst,
+                          ptrdiff_t ldd) noexcept nogil
 
     ctypedef struct fa_ops_d:
         int vw, mr, nv
@@ -120,6 +122,8 @@ cdef extern from "fa_kernels.h" nogil:
         void (*dropout_scale)(double *P, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, int64_t j0,
                               const uint32_t *rk, uint32_t thresh,
                               double keep_scale) noexcept nogil
+        void (*transpose)(const double *src, ptrdiff_t lds, ptrdiff_t R, ptrdiff_t C, double *dst,
+                          ptrdiff_t ldd) noexcept nogil
 
     const fa_ops_f *FA_OPS_F
     int FA_BWD_LDS
@@ -314,6 +318,14 @@ cdef inline void k_dropout_scale(floating *P, ptrdiff_t lds, ptrdiff_t n, ptrdif
         FA_OPS_F.dropout_scale(P, lds, n, W, j0, rk, thresh, <float>keep_scale)
     else:
         FA_OPS_D.dropout_scale(P, lds, n, W, j0, rk, thresh, keep_scale)
+
+
+cdef inline void k_transpose(const floating *src, ptrdiff_t lds, ptrdiff_t R, ptrdiff_t C,
+                             floating *dst, ptrdiff_t ldd) noexcept nogil:
+    if floating is float:
+        FA_OPS_F.transpose(src, lds, R, C, dst, ldd)
+    else:
+        FA_OPS_D.transpose(src, lds, R, C, dst, ldd)
 
 
 # ---- small helpers ------------------------------------------------------------------------

@@ -860,6 +860,39 @@ FA_FN void FN(fa_ptq)(const FA_T *T, ptrdiff_t n, ptrdiff_t ni, const FA_T *X, p
         FN(fa_ptq_rows_)(1, T + r * FA_BWD_LDS, ni, X, ldx, C, O + r * ldo, ldo);
 }
 
+/* dst[c * ldd + r] = src[r * lds + c] for r < R, c < C: the backward's packing (Kᵀ/Vᵀ per
+ * item, Q/dO panels per query block) in 4 x 4 register blocks; the Cython loops doing it
+ * element by element ran as baseline scalar code at ~1 element per cycle. */
+typedef FA_T FA_CAT(fa_v4_, FA_SFX) __attribute__((vector_size(4 * sizeof(FA_T)),
+                                                   aligned(sizeof(FA_T)), may_alias));
+#define V4 FA_CAT(fa_v4_, FA_SFX)
+FA_FN void FN(fa_transpose)(const FA_T *src, ptrdiff_t lds, ptrdiff_t R, ptrdiff_t C,
+                            FA_T *dst, ptrdiff_t ldd)
+{
+    ptrdiff_t r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) {
+        const FA_T *s = src + r0 * lds;
+        ptrdiff_t c0 = 0;
+        for (; c0 + 4 <= C; c0 += 4) {
+            V4 a = *(const V4 *)(s + c0), b = *(const V4 *)(s + lds + c0);
+            V4 c = *(const V4 *)(s + 2 * lds + c0), d = *(const V4 *)(s + 3 * lds + c0);
+            V4 t0 = __builtin_shufflevector(a, b, 0, 4, 1, 5);
+            V4 t1 = __builtin_shufflevector(a, b, 2, 6, 3, 7);
+            V4 t2 = __builtin_shufflevector(c, d, 0, 4, 1, 5);
+            V4 t3 = __builtin_shufflevector(c, d, 2, 6, 3, 7);
+            *(V4 *)(dst + c0 * ldd + r0) = __builtin_shufflevector(t0, t2, 0, 1, 4, 5);
+            *(V4 *)(dst + (c0 + 1) * ldd + r0) = __builtin_shufflevector(t0, t2, 2, 3, 6, 7);
+            *(V4 *)(dst + (c0 + 2) * ldd + r0) = __builtin_shufflevector(t1, t3, 0, 1, 4, 5);
+            *(V4 *)(dst + (c0 + 3) * ldd + r0) = __builtin_shufflevector(t1, t3, 2, 3, 6, 7);
+        }
+        for (; c0 < C; c0++)
+            for (ptrdiff_t r = r0; r < r0 + 4; r++) dst[c0 * ldd + r] = src[r * lds + c0];
+    }
+    for (; r0 < R; r0++)
+        for (ptrdiff_t c = 0; c < C; c++) dst[c * ldd + r0] = src[r0 * lds + c];
+}
+#undef V4
+
 /* softcap with its derivative: S <- cap * tanh(S / cap) exactly as fa_softcap computes it
  * (the forward's scores, bit for bit), and G <- 1 - tanh^2 (float: from the double tanh). */
 FA_FN void FN(fa_softcap_grad)(FA_T *S, FA_T *G, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W,
@@ -911,7 +944,7 @@ static const FA_CAT(fa_ops_, FA_TS) FA_CAT(fa_ops_, FA_SFX) = {
     NULL,
 #endif
     FN(fa_qkt), FN(fa_bwd_p), FN(fa_bwd_ds), FN(fa_ptq), FN(fa_softcap_grad),
-    FN(fa_dropout_scale),
+    FN(fa_dropout_scale), FN(fa_transpose),
 };
 
 #undef FN

@@ -64,6 +64,8 @@ typedef struct {                                                                
     void (*softcap_grad)(T *S, T *G, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, T cap);       \
     void (*dropout_scale)(T *P, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, int64_t j0,        \
                           const uint32_t *rk, uint32_t thresh, T keep_scale);               \
+    void (*transpose)(const T *src, ptrdiff_t lds, ptrdiff_t R, ptrdiff_t C, T *dst,         \
+                      ptrdiff_t ldd);                                                       \
 } fa_ops_##TS;
 
 /* Row stride (elements) of the backward's score tiles: a compile-time constant so that the
