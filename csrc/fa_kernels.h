@@ -116,6 +116,8 @@ FA_DECLARE_OPS(d, double)
 #define FA_MR 6
 #define FA_NV 2
 #define FA_HWMAX(a, b) _mm256_max_ps((__m256)(a), (__m256)(b))
+#define FA_HWCVTLO(x) _mm256_cvtps_pd(_mm256_castps256_ps128((__m256)(x)))
+#define FA_HWCVTHI(x) _mm256_cvtps_pd(_mm256_extractf128_ps((__m256)(x), 1))
 #define FA_T float
 #define FA_TS f
 #define FA_ISF 1
@@ -123,6 +125,8 @@ FA_DECLARE_OPS(d, double)
 #define FA_SFX f_avx2
 #include "fa_kern_impl.h"
 #undef FA_HWMAX
+#undef FA_HWCVTLO
+#undef FA_HWCVTHI
 #define FA_HWMAX(a, b) _mm256_max_pd((__m256d)(a), (__m256d)(b))
 #undef FA_T
 #undef FA_TS
@@ -152,6 +156,8 @@ FA_DECLARE_OPS(d, double)
 #define FA_HWSCALEF(x, p, n) _mm512_maskz_scalef_ps(                                   \
     _mm512_cmp_ps_mask((__m512)(x), _mm512_set1_ps(FA_EXPF_LO_Z), _CMP_NLT_UQ),             \
     (__m512)(p), (__m512)(n))
+#define FA_HWCVTLO(x) _mm512_cvtps_pd(_mm512_castps512_ps256((__m512)(x)))
+#define FA_HWCVTHI(x) _mm512_cvtps_pd(_mm512_extractf32x8_ps((__m512)(x), 1))
 #define FA_T float
 #define FA_TS f
 #define FA_ISF 1
@@ -162,6 +168,8 @@ FA_DECLARE_OPS(d, double)
 #undef FA_QK_DOT
 #undef FA_HWMAX
 #undef FA_HWSCALEF
+#undef FA_HWCVTLO
+#undef FA_HWCVTHI
 #define FA_HWMAX(a, b) _mm512_max_pd((__m512d)(a), (__m512d)(b))
 #define FA_HWSCALEF(x, p, n) _mm512_maskz_scalef_pd(                                   \
     _mm512_cmp_pd_mask((__m512d)(x), _mm512_set1_pd(FA_EXPD_LO_Z), _CMP_NLT_UQ),            \
