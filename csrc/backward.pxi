@@ -30,14 +30,14 @@ from libc.string cimport memcpy
 cdef ptrdiff_t BWD_W = 96           # query rows per block (multiple of 32, <= FA_BWD_MAXW)
 cdef ptrdiff_t BWD_BK = 96          # keys per sub-block inside the band
 cdef ptrdiff_t BWD_DB = 24          # keys per sub-block where the band edge cuts the block
-cdef ptrdiff_t BWD_ITEMS_PER_THREAD = 4   # fewer (batch, kv head) items: split into chunks
+cdef ptrdiff_t BWD_ITEMS_PER_THREAD = 1   # split into chunks below this many items per thread
 
 
 def set_bwd_blocks(ptrdiff_t w=96, ptrdiff_t bk=96, ptrdiff_t db=24,
-                   ptrdiff_t items_per_thread=4):
+                   ptrdiff_t items_per_thread=1):
     """Experimentation hook: query rows per block (multiple of 32, <= 96), keys per interior
-    sub-block, keys per band-edge sub-block, and the (batch, kv head) items per thread below
-    which query blocks are split into chunks."""
+    sub-block, keys per band-edge sub-block, and the work items per thread below which the
+    query blocks of a kv head are split into chunks (see run_backward)."""
     global BWD_W, BWD_BK, BWD_DB, BWD_ITEMS_PER_THREAD
     if w <= 0 or w % 32 or w > FA_BWD_MAXW or bk <= 0 or db <= 0 or items_per_thread <= 0:
         raise ValueError("bad backward block sizes")
@@ -50,8 +50,8 @@ ctypedef struct BwdArgs:
     char *dq
     char *dk
     char *dv
-    char *kpart                      # C > 1: [C][B*Hkv][S][E] partial dk (NULL when C == 1)
-    char *vpart                      #        [C][B*Hkv][S][Ev] partial dv
+    char *kpart                      # C > 1: [C-1][B*Hkv][S][E] partial dk of chunks 1.. (chunk
+    char *vpart                      #        0 writes dk/dv itself), [C-1][B*Hkv][S][Ev] dv
     ptrdiff_t W, Bk, DB              # block sizes
     ptrdiff_t nqb                    # query blocks per head
     ptrdiff_t U                      # units = (query head of the group, query block) per kv head
@@ -341,12 +341,12 @@ cdef void bwd_item(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy,
     cdef ptrdiff_t nk = p.S * p.E, nv = p.S * p.Ev
     cdef floating *dk_t
     cdef floating *dv_t
-    if a.C == 1:
+    if c == 0:
         dk_t = <floating *>a.dk + bhk * nk
         dv_t = <floating *>a.dv + bhk * nv
     else:
-        dk_t = <floating *>a.kpart + (c * nbh + bhk) * nk
-        dv_t = <floating *>a.vpart + (c * nbh + bhk) * nv
+        dk_t = <floating *>a.kpart + ((c - 1) * nbh + bhk) * nk
+        dv_t = <floating *>a.vpart + ((c - 1) * nbh + bhk) * nv
     memset(dk_t, 0, nk * sizeof(floating))
     memset(dv_t, 0, nv * sizeof(floating))
     pack_t(<const floating *>p.k + bhk * nk, p.S, p.E, <floating *>w.Kt, a.ldkt)
@@ -365,7 +365,7 @@ cdef void bwd_item(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy,
 
 cdef void bwd_reduce(AttnProblem *p, BwdArgs *a, floating *dummy, ptrdiff_t it,
                      ptrdiff_t rows_per) noexcept nogil:
-    """C > 1: dk/dv rows of one (b, kv head, row range) = the chunks' partials summed in
+    """C > 1: dk/dv rows of one (b, kv head, row range) += the partials of chunks 1.. in
     chunk order, then scaled."""
     cdef ptrdiff_t nbh = p.B * p.Hkv, nrb = (p.S + rows_per - 1) // rows_per
     cdef ptrdiff_t bhk = it // nrb, j0 = (it % nrb) * rows_per
@@ -377,9 +377,8 @@ cdef void bwd_reduce(AttnProblem *p, BwdArgs *a, floating *dummy, ptrdiff_t it,
     n = (j1 - j0) * p.E
     off = bhk * p.S * p.E + j0 * p.E
     dst = <floating *>a.dk + off
-    memcpy(dst, <floating *>a.kpart + off, n * sizeof(floating))
     for c in range(1, a.C):
-        src = <const floating *>a.kpart + c * nbh * p.S * p.E + off
+        src = <const floating *>a.kpart + (c - 1) * nbh * p.S * p.E + off
         for x in range(n):
             dst[x] = dst[x] + src[x]
     for x in range(n):
@@ -387,9 +386,8 @@ cdef void bwd_reduce(AttnProblem *p, BwdArgs *a, floating *dummy, ptrdiff_t it,
     n = (j1 - j0) * p.Ev
     off = bhk * p.S * p.Ev + j0 * p.Ev
     dst = <floating *>a.dv + off
-    memcpy(dst, <floating *>a.vpart + off, n * sizeof(floating))
     for c in range(1, a.C):
-        src = <const floating *>a.vpart + c * nbh * p.S * p.Ev + off
+        src = <const floating *>a.vpart + (c - 1) * nbh * p.S * p.Ev + off
         for x in range(n):
             dst[x] = dst[x] + src[x]
     if p.has_dropout:
@@ -427,10 +425,14 @@ cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy,
     cdef double band = <double>min(p.S, p.wl + p.wr + 1)
     if <double>p.B * p.Hq * p.L * band * (3 * p.E + 2 * p.Ev) * 2 < 8e6:
         nt = 1
-    # chunks: enough items for a dynamic schedule to balance (each chunk needs its own dk/dv)
+    # Chunks of a kv head's query blocks: each chunk past the first costs a private dk/dv, a
+    # second packing of Kᵀ/Vᵀ and a reduction pass, so split only as far as it takes for the
+    # items to divide evenly among the threads (B*Hkv = 1 or odd with 2 threads: C = 2).
+    # Beyond 4 items per thread the dynamic schedule evens things out well enough.
     a.C = 1
-    if nt > 1 and nbh < BWD_ITEMS_PER_THREAD * nt:
-        a.C = min(a.U, (BWD_ITEMS_PER_THREAD * nt + nbh - 1) // nbh)
+    if nt > 1 and nbh < 4 * nt:
+        while a.C < a.U and ((a.C * nbh) % nt != 0 or a.C * nbh < BWD_ITEMS_PER_THREAD * nt):
+            a.C += 1
     a.ubound = <ptrdiff_t *>malloc((a.C + 1) * sizeof(ptrdiff_t))
     if a.ubound == NULL:
         return -1
@@ -460,8 +462,8 @@ cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy,
             a.ubound[c] = a.ubound[c - 1]
     a.ubound[a.C] = a.U
     if a.C > 1:
-        a.kpart = <char *>malloc(max(<size_t>1, <size_t>(a.C * nbh * p.S * p.E * sizeof(floating))))
-        a.vpart = <char *>malloc(max(<size_t>1, <size_t>(a.C * nbh * p.S * p.Ev * sizeof(floating))))
+        a.kpart = <char *>malloc(max(<size_t>1, <size_t>((a.C - 1) * nbh * p.S * p.E * sizeof(floating))))
+        a.vpart = <char *>malloc(max(<size_t>1, <size_t>((a.C - 1) * nbh * p.S * p.Ev * sizeof(floating))))
         if a.kpart == NULL or a.vpart == NULL:
             free(a.kpart)
             free(a.vpart)

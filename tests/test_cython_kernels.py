@@ -281,7 +281,7 @@ def test_backward_rows_without_keys(K, level):
         assert np.all(dq[:, :, [0, 4, 29]] == 0)
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 3, 300, 200), (2, 4, 1, 250, 250), (3, 2, 2, 97, 411)],
+@pytest.mark.parametrize("shape", [(1, 1, 3, 300, 200), (2, 4, 1, 250, 250), (3, 1, 2, 97, 411)],
                          ids=["chunked_mqa", "one_item_per_head", "gqa_odd"])
 def test_backward_deterministic(K, shape):
     """Same bits on every run, with 1 and 2 threads, whether the query blocks of a kv head are
