@@ -18,9 +18,10 @@
 # then dk *= scale, dv *= 1/(1-p).
 # In exact arithmetic Z = 1 and D/Z is the spec's rowsum(dO * O).  In floating point, taking
 # both from the tiles that form dS keeps float32 gradients within the tolerance where a row's
-# attention sits on one key (fa_bwd_p says why).  The price is keeping a block's tiles between
-# the sweeps: W x band x 8 bytes per thread (0.9 MB at S = 1024, 15 MB at S = 16384 for
-# float32); `out` is not read.
+# attention sits on one key (fa_bwd_p says why); `out` is not read.  The price is keeping a
+# block's tiles between the sweeps: W x band x 8 bytes per thread (0.9 MB at S = 1024, 15 MB
+# at S = 16384 for float32), or, past BWD_KEEP_BYTES, recomputing them in sweep 2 (same code,
+# same bits).
 # Sub-blocks are Bk keys where the band covers every lane of the block and DB keys where its
 # edge cuts through, so a causal diagonal costs little more than its triangle.  Keys outside
 # the band are never read.
@@ -31,17 +32,24 @@ cdef ptrdiff_t BWD_W = 96           # query rows per block (multiple of 32, <= F
 cdef ptrdiff_t BWD_BK = 96          # keys per sub-block inside the band
 cdef ptrdiff_t BWD_DB = 24          # keys per sub-block where the band edge cuts the block
 cdef ptrdiff_t BWD_ITEMS_PER_THREAD = 1   # split into chunks below this many items per thread
+# Keep a block's tiles between the sweeps while they take at most this many bytes per thread
+# (a band of ~18k keys in float32); longer bands recompute S and dP in sweep 2 (7 tile GEMMs
+# instead of 5).  Measured, 2 threads, H=2: keeping was faster at every length tried, also
+# out of cache (L=S=8192: 152 vs 84 GF/s; 16384: 79 vs 59), so recomputing only caps memory.
+cdef ptrdiff_t BWD_KEEP_BYTES = 16 << 20
 
 
 def set_bwd_blocks(ptrdiff_t w=96, ptrdiff_t bk=96, ptrdiff_t db=24,
-                   ptrdiff_t items_per_thread=1):
+                   ptrdiff_t items_per_thread=1, ptrdiff_t keep_bytes=16 << 20):
     """Experimentation hook: query rows per block (multiple of 32, <= 96), keys per interior
     sub-block, keys per band-edge sub-block, and the work items per thread below which the
-    query blocks of a kv head are split into chunks (see run_backward)."""
-    global BWD_W, BWD_BK, BWD_DB, BWD_ITEMS_PER_THREAD
+    query blocks of a kv head are split into chunks (see run_backward), and the largest band
+    tiles (bytes per thread) kept between the sweeps instead of recomputed."""
+    global BWD_W, BWD_BK, BWD_DB, BWD_ITEMS_PER_THREAD, BWD_KEEP_BYTES
     if w <= 0 or w % 32 or w > FA_BWD_MAXW or bk <= 0 or db <= 0 or items_per_thread <= 0:
         raise ValueError("bad backward block sizes")
     BWD_W, BWD_BK, BWD_DB, BWD_ITEMS_PER_THREAD = w, bk, db, items_per_thread
+    BWD_KEEP_BYTES = keep_bytes
 
 
 ctypedef struct BwdArgs:
@@ -59,7 +67,8 @@ ctypedef struct BwdArgs:
     ptrdiff_t *ubound                # [C + 1] unit boundaries of the chunks (cost-balanced)
     ptrdiff_t ldq                    # row stride of the dQ block accumulator
     ptrdiff_t ldkt                   # row stride of the packed Kᵀ / Vᵀ (>= S + 16, odd lines)
-    ptrdiff_t trows                  # rows of the band tiles (longest band + slack)
+    ptrdiff_t trows                  # rows of the tiles: longest band (or sub-block) + slack
+    bint keep                        # tiles kept between the sweeps (else recomputed)
 
 
 ctypedef struct BwdWork:             # per-thread scratch
@@ -75,6 +84,7 @@ ctypedef struct BwdWork:             # per-thread scratch
     char *dQ                         # dQ of the block, [W + 16][ldq]
     char *lse                        # per lane: lse (+inf for rows without keys)
     double *acc                      #           sweep-1 sums Z, D (double), FA_BWD_LDS apart
+    double *acc2                     #           the same, discarded (sweep 2 recomputing)
     char *invZ                       #           1 / sum_j P
     double *D                        #           sum_j P dP / sum_j P (double: see fa_bwd_ds)
     char *slope                      #           ALiBi slope
@@ -96,7 +106,7 @@ cdef BwdWork *bwd_work_new(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept
     sz[10] = _al(wcap * 4)
     sz[11] = _al(sizeof(BwdWork))
     sz[12] = _al(2 * FA_BWD_LDS * 8)
-    cdef size_t total = 64, i
+    cdef size_t total = 64 + sz[12], i
     for i in range(13):
         total += sz[i]
     cdef char *base = <char *>fa_scratch_get(total)
@@ -117,10 +127,11 @@ cdef BwdWork *bwd_work_new(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept
     w.pos = <int64_t *>c; c += sz[8]
     w.moff = <int64_t *>c; c += sz[9]
     w.rk = <uint32_t *>c; c += sz[10]
-    w.acc = <double *>c
+    w.acc = <double *>c; c += sz[12]
+    w.acc2 = <double *>c
     # Lanes past the block's rows are read by the tile kernels (whole panels): keep every
     # per-lane array finite and defined.
-    memset(w.lse, 0, sz[3] + sz[4] + sz[5] + sz[6] + sz[7] + sz[8] + sz[9] + sz[10])
+    memset(w.lse, 0, sz[3] + sz[4] + sz[5] + sz[6] + sz[7] + sz[8] + sz[9] + sz[10] + 2 * sz[12])
     for i in range(<size_t>wcap):
         (<floating *>w.ones)[i] = 1
     # The O(S) part: own malloc, freed after the call (the TLS scratch is kept between calls).
@@ -205,7 +216,7 @@ cdef inline bint next_sub(AttnProblem *p, BwdArgs *a, ptrdiff_t pw, ptrdiff_t i0
     sb.lo = lo
     sb.hi = hi
     sb.Wt = round_up(hi, pw) - lo
-    sb.r0 = ja - jlo
+    sb.r0 = ja - jlo if a.keep else 0
     last = (lo + sb.Wt if lo + sb.Wt < rows else rows) - 1
     sb.win_partial = (ja < i0 + last + p.q_offset - p.wl or
                       jb - 1 > i0 + lo + p.q_offset + p.wr)
@@ -213,8 +224,8 @@ cdef inline bint next_sub(AttnProblem *p, BwdArgs *a, ptrdiff_t pw, ptrdiff_t i0
 
 
 cdef void bwd_sweep1(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy,
-                     SubBlock *sb) noexcept nogil:
-    """S and dP of a sub-block into the band tiles; the score pipeline; P; D += sum P dP."""
+                     SubBlock *sb, double *acc) noexcept nogil:
+    """S and dP of a sub-block into the tiles; the score pipeline; P; (Z, D) += sums."""
     cdef ptrdiff_t lo = sb.lo, Wt = sb.Wt, m = sb.jb - sb.ja, ldt = FA_BWD_LDS
     cdef floating *S = <floating *>w.S + sb.r0 * ldt + lo
     cdef floating *dP = <floating *>w.dP + sb.r0 * ldt + lo
@@ -237,7 +248,7 @@ cdef void bwd_sweep1(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy,
         k_window(S, ldt, m, Wt, sb.ja, w.pos + lo, p.wl, p.wr)
     if p.has_dropout:
         k_dropout_scale(dP, ldt, m, Wt, sb.ja, w.rk + lo, p.thresh, p.keep_scale)
-    k_bwd_p(S, dP, m, Wt, <const floating *>w.lse + lo, w.acc + lo)
+    k_bwd_p(S, dP, m, Wt, <const floating *>w.lse + lo, acc + lo)
 
 
 cdef void bwd_sweep2(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, ptrdiff_t b,
@@ -313,7 +324,7 @@ cdef void bwd_block(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, ptr
     cdef SubBlock sb
     while ja < jhi:
         if next_sub(p, a, pw, i0, rows, jlo, jhi, ja, &sb):
-            bwd_sweep1(p, a, w, dummy, &sb)
+            bwd_sweep1(p, a, w, dummy, &sb, w.acc)
         ja = sb.jb
     for r in range(W):
         z = acc[r]
@@ -322,6 +333,8 @@ cdef void bwd_block(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, ptr
     ja = jlo
     while ja < jhi:
         if next_sub(p, a, pw, i0, rows, jlo, jhi, ja, &sb):
+            if not a.keep:       # the same code again: the same bits as in sweep 1
+                bwd_sweep1(p, a, w, dummy, &sb, w.acc2)
             bwd_sweep2(p, a, w, dummy, b, hk, row0, &sb, dk_t, dv_t)
         ja = sb.jb
 
@@ -410,6 +423,9 @@ cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy,
     # band tiles: the longest band of a block, plus a strip of slack (fa_qkt writes whole
     # strips of MR rows)
     a.trows = round_up(min(<int64_t>p.S, a.W - 1 + p.wl + p.wr + 1), mr) + mr
+    a.keep = <size_t>a.trows * FA_BWD_LDS * sizeof(floating) * (3 if p.softcap > 0 else 2) <= <size_t>BWD_KEEP_BYTES
+    if not a.keep:
+        a.trows = round_up(max(a.Bk, a.DB), mr) + mr
     # Kᵀ rows: >= S + 16 (fa_qkt reads up to 11 keys past a block), an odd number of cache
     # lines apart so the E rows of a column fall in different L1 sets
     a.ldkt = round_up(p.S, 16) // 16 + 1

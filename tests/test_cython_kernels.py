@@ -322,3 +322,23 @@ def test_backward_bad_arguments(K):
         g = [np.full_like(x, np.nan) for x in (pe.q, pe.k, pe.v)]
         K.backward(*forward_inputs(pe), oe, oe, le, *g, 1)
         assert all(np.all(x == 0) for x in g)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_backward_kept_or_recomputed_tiles(K, level, dtype):
+    """Long bands recompute S and dP in sweep 2 instead of keeping them from sweep 1: the same
+    code on the same data, so the same bits (forced here with a zero keep budget)."""
+    rng = np.random.default_rng(2)
+    q, k, v = randn(rng, (2, 4, 150, 40), dtype), randn(rng, (2, 2, 333, 40), dtype), randn(rng, (2, 2, 333, 24), dtype)
+    dout = randn(rng, (2, 4, 150, 24), dtype)
+    for kw in ({}, dict(is_causal=True, causal_alignment="bottom_right"),
+               dict(softcap=3.0, dropout_p=0.2, rng=5, window=(100, 30),
+                    attn_mask=rng.random((2, 1, 150, 333)) < 0.8)):
+        kept = check_backward(K, 2, q, k, v, dout, **kw)
+        K.set_bwd_blocks(keep_bytes=0)
+        try:
+            again = check_backward(K, 2, q, k, v, dout, **kw)
+        finally:
+            K.set_bwd_blocks()
+        for a, b in zip(kept, again):
+            assert np.array_equal(a, b)
