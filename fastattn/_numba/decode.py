@@ -1,0 +1,295 @@
+"""Decode kernel (Numba): few queries (L <= ~16) against a long key/value set.
+
+Decode is memory-bound (~0.5 FLOP per byte of K/V), so the one thing that
+matters is reading K and V once: an item is (batch, kv head, key chunk) and
+processes the G*L query rows of every query head of the KV group together
+(G = Hq // Hkv), as an (G*L) x Bk score tile. When batch*kv_heads cannot keep
+the threads busy, the keys are split into chunks (flash-decoding); each chunk
+leaves (m, l, unnormalized acc) and a final pass merges them by log-sum-exp.
+Threads claim items from an atomic counter. float32 uses the register-
+blocked kernels of _gemm.py for both products, float64 uses BLAS.
+"""
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+from ._common import (
+    FM, LN2, LOG2E, atomic_next, blas_single_thread, block_all_finite, block_status_bool,
+    block_status_float, dropout_threshold_nb, exp2v, fcast, fmax_nan,
+    gemm_nn, gemm_nt, mask_strides, numba_threads, prime_blas, pv_nonfinite,
+    tile_dropout, tile_online, tile_pipeline, wide_vectors)
+from ._gemm import MR, dec_qk, gemm_pv
+
+
+# float32 -> the register-blocked kernels (_gemm.py), float64 -> BLAS,
+# resolved at compile time. Q.K^T is computed as K.Q^T (K rows broadcast
+# straight from the cache with software prefetch, no packing pass). End-to-end
+# A/B runs on this shared machine were noisy: B1 Hq32 Hkv8 S16384 d128, 2
+# threads, 6 interleaved rounds: t_torch/t_ours median 1.35 with K.Q^T vs 0.88
+# with BLAS Q.K^T (an earlier set had them the other way round, 26 vs 31 ms
+# medians); K-cache-resident micro-benchmark 0.70 vs 1.2 ms per 8 MB head.
+def _dec_pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, R, ab):  # pragma: no cover
+    raise NotImplementedError
+
+
+def _dec_qk(Sb, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, n, ab):  # pragma: no cover
+    raise NotImplementedError
+
+
+@overload(_dec_qk)
+def _dec_qk_ol(Sb, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, n, ab):
+    if Sb.dtype == types.float32:
+        def impl(Sb, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, n, ab):
+            for r in range(R):
+                for t in range(E):
+                    Qt[t * R + r] = Qs[r, t]
+            dec_qk(Sb, kf, koff, E, n, Qt, R, SbT)
+    else:
+        def impl(Sb, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, n, ab):
+            gemm_nt(R, n, E, Qs, 0, Eld, kf, koff, Eld, 1, Sb, 0, Bk, ab)
+    return impl
+
+
+@overload(_dec_pv)
+def _dec_pv_ol(acc, Evld, Pb, Bk, vf, voff, Ev, n, R, ab):
+    if acc.dtype == types.float32:
+        def impl(acc, Evld, Pb, Bk, vf, voff, Ev, n, R, ab):
+            gemm_pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, (R + MR - 1) // MR)
+    else:
+        def impl(acc, Evld, Pb, Bk, vf, voff, Ev, n, R, ab):
+            gemm_nn(R, Ev, n, Pb, 0, Bk, vf, voff, Evld, 0, acc, 0, Evld, ab)
+    return impl
+
+
+@njit(cache=True, fastmath=FM, nogil=True)
+def _decode_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool,
+                 mask_float, has_alibi, alibi, scale, softcap, q_offset,
+                 win_left, win_right, dropout_p, seed, Bk, pm, pl, pacc):
+    wide_vectors()
+    B, Hq, L, E = q.shape
+    Hkv = k.shape[1]
+    S = k.shape[2]
+    Ev = v.shape[3]
+    g = Hq // Hkv
+    R = g * L
+    Eld = max(E, 1)
+    Evld = max(Ev, 1)
+    qf = q.reshape(-1)
+    kf = k.reshape(-1)
+    vf = v.reshape(-1)
+    mbf = mask_bool.reshape(-1)
+    mff = mask_float.reshape(-1)
+    if mask_kind == 1:
+        sB, sH, sL, sS = mask_strides(mask_bool, B, Hq, L, S)
+    else:
+        sB, sH, sL, sS = mask_strides(mask_float, B, Hq, L, S)
+    Ba = alibi.shape[0]
+    use_cap = softcap > 0.0
+    qscale = fcast(q, scale if use_cap else scale * LOG2E)
+    do_drop = dropout_p > 0.0
+    thresh = dropout_threshold_nb(dropout_p)
+    inv_keep = fcast(q, 1.0 / (1.0 - dropout_p))
+    ninf = fcast(q, -np.inf)
+    one = fcast(q, 1.0)
+    zero = fcast(q, 0.0)
+
+    bk = it // nchunks            # b * Hkv + hk
+    c = it - bk * nchunks
+    b = bk // Hkv
+    hk = bk - b * Hkv
+    c_lo = c * csize
+    c_hi = min(S, c_lo + csize)   # exclusive
+
+    # rows r = hh * L + i of query head h = hk*g + hh; query rows of one head
+    # are contiguous in q, and the heads of a group are adjacent, so the
+    # whole group is one contiguous (R, E) slab of q.
+    # rows padded to whole micro-tiles for the float32 P.V kernel
+    Rp = ((R + MR - 1) // MR) * MR
+    Qs = np.empty((R, Eld), q.dtype)
+    Qt = np.empty(Eld * R, q.dtype)
+    SbT = np.empty(Bk * R, q.dtype)
+    qoff = (b * Hq + hk * g) * L * E
+    for r in range(R):
+        for t in range(E):
+            Qs[r, t] = qf[qoff + r * E + t] * qscale
+    Sb = np.empty((R, Bk), q.dtype)
+    Pb = np.empty((Rp, Bk), q.dtype)
+    Vs = np.empty((1, 1), q.dtype)
+    acc = np.zeros((Rp, Evld), q.dtype)
+    m = np.full(R, ninf, q.dtype)
+    lsum = np.zeros(R, q.dtype)
+    ab = np.empty(2, q.dtype)
+    ab[0] = one
+    ab[1] = zero
+
+    # union of the rows' bands, clipped to this chunk
+    pos_min = q_offset
+    pos_max = L - 1 + q_offset
+    jlo = max(c_lo, pos_min - win_left)
+    jhi = min(c_hi - 1, pos_max + win_right)
+    always_rows = use_cap or has_alibi
+    kbase = (b * Hkv + hk) * S * E
+    vbase = (b * Hkv + hk) * S * Ev
+
+    if jlo <= jhi:
+        j0 = jlo
+        while j0 <= jhi:
+            n = min(Bk, jhi + 1 - j0)
+            # mask status over the whole group tile (all heads, all rows)
+            mstat = 1
+            if mask_kind != 0:
+                mstat = 0
+                for hh in range(g):
+                    base = b * sB + (hk * g + hh) * sH + j0 * sS
+                    if mask_kind == 1:
+                        st = block_status_bool(mbf, base, sL, sS, L, n)
+                    else:
+                        st = block_status_float(mff, base, sL, sS, L, n)
+                    if hh == 0:
+                        mstat = st
+                    elif st != mstat:
+                        mstat = 2
+                    if mstat == 2:
+                        break
+            if mstat != 0:
+                _dec_qk(Sb, Bk, Qs, Qt, SbT, R, E, Eld, kf, kbase + j0 * E, n, ab)
+                for hh in range(g):
+                    # rows hh*L .. hh*L+L-1 belong to query head h
+                    h = hk * g + hh
+                    r0 = hh * L
+                    band_partial = (j0 < pos_max - win_left) or (j0 + n - 1 > pos_min + win_right)
+                    if always_rows or band_partial or mstat == 2:
+                        slope2 = zero
+                        if has_alibi:
+                            slope2 = fcast(q, alibi[b if Ba > 1 else 0, h] * LOG2E)
+                        tile_pipeline(Sb, r0, r0 + L, n, j0, q_offset, use_cap,
+                                      softcap, has_alibi, slope2, mask_kind,
+                                      mbf, mff, b * sB + h * sH + j0 * sS, sL,
+                                      sS, mstat, band_partial, win_left,
+                                      win_right)
+                tile_online(Sb, Pb, 0, R, n, m, lsum, acc, Ev)
+                if do_drop:
+                    for hh in range(g):
+                        tile_dropout(Pb, hh * L, hh * L + L, n, seed,
+                                     b * Hq + hk * g + hh, 0, j0, thresh, inv_keep)
+                voff = vbase + j0 * Ev
+                if block_all_finite(vf, voff, n * Ev):
+                    _dec_pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, R, ab)
+                else:
+                    if Vs.shape[0] != Bk:
+                        Vs = np.empty((Bk, Evld), q.dtype)
+                    pv_nonfinite(Pb, R, n, vf, voff, Ev, Evld, Vs, acc, ab)
+            j0 += n
+
+    for r in range(R):
+        pm[it, r] = m[r]
+        pl[it, r] = lsum[r]
+        for t in range(Ev):
+            pacc[it, r, t] = acc[r, t]
+
+
+@njit(fastmath=FM)
+def _decode_merge(bk, nchunks, pm, pl, pacc, out, lse, g, L, Hkv):
+    """Log-sum-exp merge of the chunk partials of one (batch, kv head)."""
+    Ev = out.shape[3]
+    R = g * L
+    b = bk // Hkv
+    hk = bk - b * Hkv
+    ninf = fcast(out, -np.inf)
+    zero = fcast(out, 0.0)
+    one = fcast(out, 1.0)
+    for r in range(R):
+        hh = r // L
+        i = r - hh * L
+        h = hk * g + hh
+        M = ninf
+        for c in range(nchunks):
+            M = fmax_nan(M, pm[bk * nchunks + c, r])
+        if M == ninf:
+            for t in range(Ev):
+                out[b, h, i, t] = zero
+            lse[b, h, i] = ninf
+            continue
+        ltot = zero
+        for t in range(Ev):
+            out[b, h, i, t] = zero
+        for c in range(nchunks):
+            mc = pm[bk * nchunks + c, r]
+            if mc == ninf:
+                continue      # empty chunk: exp2(-inf - M) is 0 anyway, skip
+            w = exp2v(mc - M)
+            ltot += w * pl[bk * nchunks + c, r]
+            for t in range(Ev):
+                out[b, h, i, t] += w * pacc[bk * nchunks + c, r, t]
+        if ltot == zero:
+            for t in range(Ev):
+                out[b, h, i, t] = zero
+            lse[b, h, i] = ninf
+            continue
+        inv = one / ltot
+        for t in range(Ev):
+            out[b, h, i, t] *= inv
+        lse[b, h, i] = (M + np.log2(ltot)) * fcast(out, LN2)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _decode_kernel(q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
+                   alibi, scale, softcap, q_offset, win_left, win_right,
+                   dropout_p, seed, out, lse, Bk, nchunks, nthreads):
+    B, Hq, L, E = q.shape
+    Hkv = k.shape[1]
+    S = k.shape[2]
+    Ev = v.shape[3]
+    g = Hq // Hkv
+    R = g * L
+    # chunk length: a multiple of Bk so only the last block of a chunk is short
+    csize = (S + nchunks - 1) // nchunks
+    csize = ((csize + Bk - 1) // Bk) * Bk
+    csize = max(csize, 1)
+    nchunks = max(1, (S + csize - 1) // csize)
+    n_items = B * Hkv * nchunks
+    pm = np.empty((n_items, R), q.dtype)
+    pl = np.empty((n_items, R), q.dtype)
+    pacc = np.empty((n_items, R, max(Ev, 1)), q.dtype)
+    # workers claim items dynamically (see forward): decode items are few and
+    # large, so one slow thread would otherwise set the call's time
+    counter = np.zeros(1, np.int64)
+    for w in prange(min(nthreads, n_items)):
+        while True:
+            it = atomic_next(counter)
+            if it >= n_items:
+                break
+            _decode_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool,
+                         mask_float, has_alibi, alibi, scale, softcap, q_offset,
+                         win_left, win_right, dropout_p, seed, Bk, pm, pl, pacc)
+    for bk in prange(B * Hkv):
+        _decode_merge(bk, nchunks, pm, pl, pacc, out, lse, g, L, Hkv)
+
+
+def decode_chunks(B, Hkv, S, n_threads, Bk):
+    """Key chunks per (batch, kv head): split only when B*Hkv alone cannot
+    keep every thread busy (2 items per thread so uneven chunks balance)."""
+    bh = max(B * Hkv, 1)
+    if bh >= n_threads and bh % n_threads == 0:
+        return 1
+    want = -(-2 * n_threads // bh) if bh < 2 * n_threads else 1
+    return max(1, min(want, -(-S // Bk)))
+
+
+def decode(q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi,
+           scale, softcap, q_offset, win_left, win_right, dropout_p, seed,
+           out, lse, n_threads, block_k=None, nchunks=None):
+    """docs/KERNELS.md decode (same arguments as forward)."""
+    B, Hq, L, E = q.shape
+    Hkv = k.shape[1]
+    S = k.shape[2]
+    if B * Hq * L == 0:
+        return
+    prime_blas()
+    Bk = int(block_k) if block_k is not None else 512
+    with blas_single_thread, numba_threads(n_threads) as nt:
+        nc = int(nchunks) if nchunks is not None else decode_chunks(B, Hkv, S, nt, Bk)
+        _decode_kernel(q, k, v, int(mask_kind), mask_bool, mask_float,
+                       bool(has_alibi), alibi, float(scale), float(softcap),
+                       int(q_offset), int(win_left), int(win_right),
+                       float(dropout_p), int(seed), out, lse, Bk, nc, nt)

@@ -1,0 +1,375 @@
+"""FlashAttention-2 forward kernel (Numba).
+
+Work items are flattened (batch*head, query-block) pairs; one prange
+iteration per thread claims items from an atomic counter. Per item: prescale
+the Q block once (scale*log2e folded in, so scores come out of the GEMM in
+log2 units), then for every key block that intersects the allowed band:
+S = Q.K^T, the score pipeline only where a block needs it (partial band,
+mixed mask, softcap, ALiBi), lazy online softmax (running max m, sum l; acc
+rescaled only when m moves), acc += P.V. float32 tiles use the register-
+blocked kernel of _gemm.py on a once-per-call panel layout of K; float64
+tiles use BLAS through numba_xxgemm (beta=1 accumulation, no temporaries).
+"""
+import threading
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+from ._common import (
+    FM, LOG2E, atomic_next, blas_single_thread, block_all_finite, block_status_bool,
+    block_status_float, dropout_threshold_nb, fcast, gemm_nn, gemm_nt,
+    mask_strides, numba_threads, prime_blas, pv_nonfinite, tile_dropout,
+    tile_finalize, tile_online, tile_pipeline, wide_vectors)
+from ._gemm import MR, PW, gemm_pv, gemm_qk, pack_k_panel, pack_q_tiles
+
+
+# ---------------------------------------------------------------------------
+# dtype dispatch, resolved at compile time: float32 tiles go through the
+# packed register-blocked micro-kernel (_gemm.py), float64 through BLAS.
+# ---------------------------------------------------------------------------
+def _packed(arr):  # pragma: no cover - typing stubs
+    raise NotImplementedError
+
+
+def _prep_q(qf, qoff, nq, E, qscale, Qs, Qp, ntiles):  # pragma: no cover
+    raise NotImplementedError
+
+
+def _qk(Sb, Bk, Qs, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab):  # pragma: no cover
+    raise NotImplementedError
+
+
+def _pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab):  # pragma: no cover
+    raise NotImplementedError
+
+
+def _pack_k(k, Kp, x):  # pragma: no cover
+    raise NotImplementedError
+
+
+@overload(_packed)
+def _packed_ol(arr):
+    f32 = arr.dtype == types.float32
+    return lambda arr: f32
+
+
+@overload(_prep_q)
+def _prep_q_ol(qf, qoff, nq, E, qscale, Qs, Qp, ntiles):
+    if qf.dtype == types.float32:
+        def impl(qf, qoff, nq, E, qscale, Qs, Qp, ntiles):
+            pack_q_tiles(qf, qoff, nq, E, qscale, Qp, ntiles)
+    else:
+        def impl(qf, qoff, nq, E, qscale, Qs, Qp, ntiles):
+            for r in range(nq):
+                for t in range(E):
+                    Qs[r, t] = qf[qoff + r * E + t] * qscale
+    return impl
+
+
+@overload(_qk)
+def _qk_ol(Sb, Bk, Qs, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab):
+    if Sb.dtype == types.float32:
+        def impl(Sb, Bk, Qs, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab):
+            gemm_qk(Sb, Bk, Qp, E, ntiles, Kp, kpoff, j0 // PW, (j0 + n + PW - 1) // PW)
+    else:
+        def impl(Sb, Bk, Qs, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab):
+            gemm_nt(nq, n, E, Qs, 0, Eld, kf, kbase + j0 * E, Eld, 1, Sb, 0, Bk, ab)
+    return impl
+
+
+@overload(_pv)
+def _pv_ol(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab):
+    if acc.dtype == types.float32:
+        def impl(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab):
+            gemm_pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, ntiles)
+    else:
+        def impl(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab):
+            gemm_nn(nq, Ev, n, Pb, 0, Bk, vf, voff, Evld, 0, acc, 0, Evld, ab)
+    return impl
+
+
+def _pack_k_local(kf, koff, S, E, Kl, poff, p):  # pragma: no cover
+    raise NotImplementedError
+
+
+@overload(_pack_k_local)
+def _pack_k_local_ol(kf, koff, S, E, Kl, poff, p):
+    if kf.dtype == types.float32:
+        def impl(kf, koff, S, E, Kl, poff, p):
+            pack_k_panel(kf, koff, S, E, Kl, poff, p)
+    else:
+        def impl(kf, koff, S, E, Kl, poff, p):
+            pass
+    return impl
+
+
+@overload(_pack_k)
+def _pack_k_ol(k, Kp, x):
+    if k.dtype == types.float32:
+        def impl(k, Kp, x):
+            B, Hkv, S, E = k.shape
+            npan = (S + PW - 1) // PW
+            bk = x // npan
+            pack_k_panel(k.reshape(-1), bk * S * E, S, E, Kp, bk * npan * E * PW, x - bk * npan)
+    else:
+        def impl(k, Kp, x):
+            pass
+    return impl
+
+
+@njit(cache=True, fastmath=FM, nogil=True)
+def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
+                  alibi, scale, softcap, q_offset, win_left, win_right,
+                  dropout_p, seed, out, lse, Bq, Bk, reverse_q, Kp,
+                  Qx, Sb, Pb, acc, m, lsum, Kl, local_pack):
+    """One (batch*head, query-block) item. Kept out of the prange body so the
+    parfor passes see a trivial loop (compile time) and so this function can
+    carry the 512-bit vector-width hint."""
+    wide_vectors()
+    B, Hq, L, E = q.shape
+    Hkv = k.shape[1]
+    S = k.shape[2]
+    Ev = v.shape[3]
+    g = Hq // Hkv
+    nqb = (L + Bq - 1) // Bq
+    Eld = max(E, 1)
+    Evld = max(Ev, 1)
+
+    qf = q.reshape(-1)
+    kf = k.reshape(-1)
+    vf = v.reshape(-1)
+    of = out.reshape(-1)
+    mbf = mask_bool.reshape(-1)
+    mff = mask_float.reshape(-1)
+    if mask_kind == 1:
+        sB, sH, sL, sS = mask_strides(mask_bool, B, Hq, L, S)
+    else:
+        sB, sH, sL, sS = mask_strides(mask_float, B, Hq, L, S)
+    Ba = alibi.shape[0]
+
+    use_cap = softcap > 0.0
+    # Q prescale: scores leave the GEMM already scaled, in log2 units unless
+    # softcap must see the natural-unit score first.
+    qscale = fcast(q, scale if use_cap else scale * LOG2E)
+    do_drop = dropout_p > 0.0
+    thresh = dropout_threshold_nb(dropout_p)
+    inv_keep = fcast(q, 1.0 / (1.0 - dropout_p))
+    ninf = fcast(q, -np.inf)
+    one = fcast(q, 1.0)
+    zero = fcast(q, 0.0)
+    # per-element transforms that must run on every block
+    always_rows = use_cap or has_alibi
+
+    bh = it // nqb
+    qb = it - bh * nqb
+    if reverse_q:
+        # causal: expensive (late) query blocks first, cheap ones fill in
+        qb = nqb - 1 - qb
+    b = bh // Hq
+    h = bh - b * Hq
+    hk = h // g
+    i0 = qb * Bq
+    nq = min(Bq, L - i0)
+
+    # rows padded to whole micro-tiles (float32 kernel); pad rows are never
+    # read back. Qs is used by the BLAS path, Qp by the packed one.
+    ntiles = (nq + MR - 1) // MR
+    Bqp = ((Bq + MR - 1) // MR) * MR
+    # Scratch comes from the caller's per-worker workspace: allocating ~1 MB
+    # per item cost ~0.5 ms of page faults (mmap'd by malloc, touched fresh).
+    Qp = Qx
+    Qs = Qx[:Bqp * Eld].reshape((Bqp, Eld))
+    Vs = np.empty((1, 1), q.dtype)
+    for r in range(nq):
+        m[r] = ninf
+        lsum[r] = zero
+    acc[:, :] = zero
+    ab = np.empty(2, q.dtype)   # ab[0] = 1 (alpha, and beta=1), ab[1] = 0
+    ab[0] = one
+    ab[1] = zero
+
+    _prep_q(qf, ((b * Hq + h) * L + i0) * E, nq, E, qscale, Qs, Qp, ntiles)
+
+    pos_first = i0 + q_offset
+    pos_last = i0 + nq - 1 + q_offset
+    jlo = max(0, pos_first - win_left)
+    jhi = min(S - 1, pos_last + win_right)
+    slope2 = zero
+    if has_alibi:
+        slope2 = fcast(q, alibi[b if Ba > 1 else 0, h] * LOG2E)
+    mbase = b * sB + h * sH + i0 * sL
+    kbase = (b * Hkv + hk) * S * E
+    vbase = (b * Hkv + hk) * S * Ev
+
+    # key blocks cover exactly [jlo, jhi]: the first starts at jlo (rounded
+    # down to a K-panel boundary for the packed kernel) and the last is cut at
+    # jhi, so with causal/window masks no work is spent past the band edge
+    align = PW if _packed(q) else 1
+    j0 = (jlo // align) * align
+    while j0 <= jhi:
+        n = min(Bk, jhi + 1 - j0)
+        # block status: 0 skip, 1 no per-element mask, 2 mixed
+        mstat = 1
+        if mask_kind == 1:
+            mstat = block_status_bool(mbf, mbase + j0 * sS, sL, sS, nq, n)
+        elif mask_kind == 2:
+            mstat = block_status_float(mff, mbase + j0 * sS, sL, sS, nq, n)
+        if mstat == 0:
+            j0 += Bk
+            continue
+        band_partial = (j0 < pos_last - win_left) or (j0 + n - 1 > pos_first + win_right)
+        need_rows = always_rows or band_partial or mstat == 2
+
+        if local_pack:
+            # K used by this item only: lay out just this block's panels in the
+            # worker's buffer (cache-hot for the GEMM, no separate pass/region)
+            p0 = j0 // PW
+            p1 = (j0 + n + PW - 1) // PW
+            for p in range(p0, p1):
+                _pack_k_local(kf, kbase, S, E, Kl, -p0 * E * PW, p)
+            _qk(Sb, Bk, Qs, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kl,
+                -p0 * E * PW, ab)
+        else:
+            _qk(Sb, Bk, Qs, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp,
+                (b * Hkv + hk) * ((S + PW - 1) // PW) * E * PW, ab)
+
+        if need_rows:
+            tile_pipeline(Sb, 0, nq, n, j0, pos_first, use_cap, softcap,
+                          has_alibi, slope2, mask_kind, mbf, mff,
+                          mbase + j0 * sS, sL, sS, mstat, band_partial,
+                          win_left, win_right)
+        tile_online(Sb, Pb, 0, nq, n, m, lsum, acc, Ev)
+        if do_drop:
+            tile_dropout(Pb, 0, nq, n, seed, bh, i0, j0, thresh, inv_keep)
+
+        voff = vbase + j0 * Ev
+        if block_all_finite(vf, voff, n * Ev):
+            _pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab)
+        else:
+            if Vs.shape[0] != Bk:
+                Vs = np.empty((Bk, Evld), q.dtype)
+            pv_nonfinite(Pb, nq, n, vf, voff, Ev, Evld, Vs, acc, ab)
+        j0 += Bk
+
+    tile_finalize(acc, m, lsum, nq, Ev, of, ((b * Hq + h) * L + i0) * Ev,
+                  lse.reshape(-1), (b * Hq + h) * L + i0)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _forward_kernel(q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
+                    alibi, scale, softcap, q_offset, win_left, win_right,
+                    dropout_p, seed, out, lse, Bq, Bk, reverse_q, local_pack,
+                    Kp, wQ, wS, wP, wA, wM, wL, wK):
+    B, Hq, L, E = q.shape
+    Hkv = k.shape[1]
+    S = k.shape[2]
+    nqb = (L + Bq - 1) // Bq
+    # float32: K re-laid out once per call as PW-key panels for the
+    # micro-kernel, into Kp (from the caller's workspace; size of K rounded
+    # up to whole panels); float64 gets a dummy and no pass.
+    npan = (S + PW - 1) // PW
+    packed = _packed(q)
+    for x in prange(B * Hkv * npan if (packed and not local_pack) else 0):
+        _pack_k(k, Kp, x)
+    n_items = B * Hq * nqb
+    T = wQ.shape[0]
+    # one prange iteration per worker, each with its own scratch slice;
+    # workers claim items dynamically from an atomic counter (causal items
+    # come most expensive first), so a thread slowed down by imbalance or by
+    # another process on the machine does not hold up the call.
+    counter = np.zeros(1, np.int64)
+    for w in prange(T):
+        while True:
+            it = atomic_next(counter)
+            if it >= n_items:
+                break
+            _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float,
+                          has_alibi, alibi, scale, softcap, q_offset, win_left,
+                          win_right, dropout_p, seed, out, lse, Bq, Bk,
+                          reverse_q, Kp, wQ[w], wS[w], wP[w], wA[w], wM[w], wL[w],
+                          wK[w], local_pack)
+
+
+def block_sizes(L, S, E, Ev, itemsize, n_threads, B=1, H=1):
+    """Block sizes (Bq, Bk) for this machine class (2 MiB L2 per core).
+
+    Larger Bq re-reads K/V fewer times; Bk=512 amortizes the per-row work of
+    a block. Keep enough items for the threads.
+    """
+    Bk = 512
+    Bq = 256
+    if L <= 128:
+        Bq = max(L, 1)
+    # enough parallel items for all threads (2 per thread for balance)
+    while Bq > 32 and B * H * ((L + Bq - 1) // Bq) < 2 * n_threads:
+        Bq //= 2
+    return Bq, Bk
+
+
+_ws = threading.local()
+
+
+KP_CACHE_MAX = 64 << 20   # keep the K panel buffer between calls up to 64 MiB
+
+
+def workspace(dtype, T, Bq, Bk, E, Ev, kp_size, local_pack=False):
+    """Per-worker scratch and the K panel buffer, cached per Python thread
+    (concurrent calls from other threads get their own) and reused across
+    calls. Freshly allocated, these pages fault on first touch on every call:
+    measured ~1 ms per call for a 2 MB K panel buffer in this VM (B4 H8
+    L256 d64, a ~10 ms call). Only the latest shape is kept."""
+    Bqp = -(-Bq // MR) * MR
+    kp = np.dtype(dtype).itemsize * kp_size
+    key = (np.dtype(dtype).str, T, Bqp, Bk, max(E, 1), max(Ev, 1), kp_size, local_pack)
+    cached = getattr(_ws, 'arrays', None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    arrs = (np.empty((T, Bqp * max(E, 1)), dtype),      # Q block (packed or plain)
+            np.empty((T, Bqp, Bk), dtype),              # scores
+            np.empty((T, Bqp, Bk), dtype),              # weights
+            np.empty((T, Bqp, max(Ev, 1)), dtype),      # accumulator
+            np.empty((T, Bqp), dtype),                  # running max
+            np.empty((T, Bqp), dtype),                  # running sum
+            np.empty((T, Bk * max(E, 1) if local_pack else 1), dtype))  # block K panels
+    Kp = np.empty(max(kp_size, 1), dtype)
+    if kp <= KP_CACHE_MAX:
+        _ws.arrays = (key, (Kp,) + arrs)
+    else:
+        _ws.arrays = None
+    return (Kp,) + arrs
+
+
+def forward(q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi,
+            scale, softcap, q_offset, win_left, win_right, dropout_p, seed,
+            out, lse, n_threads, block_q=None, block_k=None):
+    """docs/KERNELS.md forward. block_q/block_k override the heuristic (bench)."""
+    B, Hq, L, E = q.shape
+    S = k.shape[2]
+    Ev = v.shape[3]
+    if B * Hq * L == 0:
+        return
+    prime_blas()
+    Bq, Bk = block_sizes(L, S, E, Ev, q.itemsize, n_threads, B, Hq)
+    if block_q is not None:
+        Bq = int(block_q)
+    if block_k is not None:
+        Bk = int(block_k)
+    if q.dtype == np.float32:
+        # key blocks must start on K-panel boundaries
+        Bk = max(PW, -(-Bk // PW) * PW)
+    reverse_q = win_right < S
+    with blas_single_thread, numba_threads(n_threads) as T:
+        nqb = -(-L // Bq)
+        T = max(1, min(T, B * Hq * nqb))
+        # K used by one item only (one query block, no GQA sharing): pack its
+        # panels inside the item instead of in a separate whole-K pass
+        local_pack = bool(q.dtype == np.float32 and nqb == 1 and k.shape[1] == Hq)
+        kp_size = (B * k.shape[1] * (-(-S // PW)) * max(E, 1) * PW
+                   if (q.dtype == np.float32 and not local_pack) else 1)
+        ws = workspace(q.dtype, T, Bq, Bk, E, Ev, kp_size, local_pack)
+        _forward_kernel(q, k, v, int(mask_kind), mask_bool, mask_float,
+                        bool(has_alibi), alibi, float(scale), float(softcap),
+                        int(q_offset), int(win_left), int(win_right),
+                        float(dropout_p), int(seed), out, lse, Bq, Bk,
+                        reverse_q, local_pack, *ws)
