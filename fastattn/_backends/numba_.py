@@ -2,7 +2,7 @@
 
 Imported lazily (numba's import costs ~0.5 s). float32 tiles go through the kernels' own
 register-blocked micro-kernels; float64 tiles through scipy's BLAS, kept single-threaded
-inside the parallel region (see fastattn/_numba/_common.py, _BlasGuard).
+inside the parallel region (see fastattn/_numba/_blas.py, _BlasGuard).
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from ._base import Backend
 from ._kernel_args import forward_inputs, forward_outputs
 
 DECODE_MAX_ROWS = 16
-_KERNEL_MODULES = ("fastattn._numba._common", "fastattn._numba._gemm", "fastattn._numba.forward",
-                   "fastattn._numba.decode", "fastattn._numba.softmax")
+_KERNEL_MODULES = tuple("fastattn._numba." + m for m in (
+    "_intrinsics", "_exp", "_hash", "_blas", "_tiles", "_gemm", "forward", "decode", "softmax"))
 
 
 def _import_kernels():

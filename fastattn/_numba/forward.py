@@ -16,11 +16,13 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._common import (
-    FM, LOG2E, atomic_next, blas_single_thread, block_all_finite, block_status_bool,
-    block_status_float, dropout_threshold_nb, fcast, gemm_nn, gemm_nt,
-    mask_strides, numba_threads, prime_blas, pv_nonfinite, tile_dropout,
-    tile_finalize, tile_online, tile_pipeline, wide_vectors)
+from ._blas import blas_single_thread, gemm_nn, gemm_nt, numba_threads, prime_blas
+from ._exp import LOG2E
+from ._hash import dropout_threshold_nb
+from ._intrinsics import FM, atomic_next, fcast, wide_vectors
+from ._tiles import (
+    block_all_finite, block_status_bool, block_status_float, mask_strides, pv_nonfinite,
+    tile_dropout, tile_finalize, tile_online, tile_pipeline)
 from ._gemm import MR, PW, gemm_pv, gemm_qk, pack_k_panel, pack_q_tiles
 
 

@@ -7,7 +7,9 @@ get weight 0; rows with nothing kept (or only -inf) become all zeros.
 import numpy as np
 from numba import njit, prange
 
-from ._common import FM, LOG2E, exp2v, fcast, fmax_nan, numba_threads, wide_vectors
+from ._blas import numba_threads
+from ._exp import LOG2E, exp2v
+from ._intrinsics import FM, fcast, fmax_nan, wide_vectors
 
 
 @njit(cache=True, fastmath=FM, nogil=True)

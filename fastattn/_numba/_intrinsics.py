@@ -1,0 +1,154 @@
+"""LLVM-level helpers for the Numba kernels, emitted through @intrinsic.
+
+A 512-bit vector-width hint for the function being compiled, a NaN-propagating
+max (llvm.maximum), float<->int bit casts, an atomic counter for dynamic
+scheduling, a raw element address for the BLAS calls, and fcast (constants in
+the array's float dtype).
+
+fastmath is never True in these kernels (it implies 'ninf'/'nnan' and breaks
+-inf masks); FM below is the safe subset.
+"""
+import os
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+# Safe fast-math subset: lets LLVM reassociate sums (vectorized reductions)
+# and contract a*b+c into FMAs, but keeps inf/NaN semantics.
+FM = {'reassoc', 'contract', 'nsz', 'arcp', 'afn'}
+
+# Ask LLVM to auto-vectorize with 512-bit registers. On Sapphire/Emerald Rapids
+# LLVM's CPU tuning says "prefer 256-bit", which halves the width of the exp
+# and max loops. The attribute is a per-function hint only: on CPUs without
+# AVX-512 it is ignored. FASTATTN_NUMBA_WIDE=0 turns it off (read at compile
+# time; cached code keeps the choice it was compiled with).
+_WIDE = os.environ.get("FASTATTN_NUMBA_WIDE", "1") != "0"
+
+
+# --------------------------------------------------------------------------
+# LLVM intrinsics
+# --------------------------------------------------------------------------
+@intrinsic
+def wide_vectors(typingctx):
+    """Mark the LLVM function being compiled with prefer-vector-width=512.
+
+    Must be called in the function body that owns the hot loops (for a prange
+    body: inside the prange loop, which Numba outlines into its own function).
+    llvmlite's attribute set only accepts a fixed list of names, so the string
+    attribute is added through set.add; if that ever stops working the call is
+    a harmless no-op.
+    """
+    def codegen(context, builder, signature, args):
+        if _WIDE:
+            try:
+                attrs = builder.function.attributes
+                set.add(attrs, '"prefer-vector-width"="512"')
+                set.add(attrs, '"min-legal-vector-width"="512"')
+            except Exception:  # pragma: no cover - llvmlite internals changed
+                pass
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+@intrinsic
+def fmax_nan(typingctx, a, b):
+    """max(a, b) that propagates NaN (llvm.maximum).
+
+    LLVM 22 vectorizes reductions over llvm.maximum without any fast-math
+    flag; a Python-style `a if a > b else b` stays scalar (measured 1.5 ns vs
+    0.07-0.17 ns per element).
+    """
+    if not (isinstance(a, types.Float) and a == b):
+        return None
+    sig = a(a, b)
+
+    def codegen(context, builder, signature, args):
+        lt = context.get_value_type(signature.return_type)
+        suffix = 'f32' if lt == ir.FloatType() else 'f64'
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(lt, [lt, lt]), "llvm.maximum." + suffix)
+        return builder.call(fn, args)
+    return sig, codegen
+
+
+@intrinsic
+def as_float(typingctx, x):
+    """Bit-cast int32 -> float32 or int64 -> float64."""
+    if x == types.int32:
+        rt = types.float32
+    elif x == types.int64:
+        rt = types.float64
+    else:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(rt))
+    return rt(x), codegen
+
+
+@intrinsic
+def as_int(typingctx, x):
+    """Bit-cast float32 -> int32 or float64 -> int64."""
+    if x == types.float32:
+        rt = types.int32
+    elif x == types.float64:
+        rt = types.int64
+    else:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(rt))
+    return rt(x), codegen
+
+
+@intrinsic
+def atomic_next(typingctx, counter):
+    """Atomically increment counter[0] (int64 array) and return the old value.
+
+    Used for dynamic scheduling inside prange: each worker claims the next
+    item. Static chunks stall the whole call on the slowest thread, which on
+    a shared machine (or under causal imbalance) is common."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.atomic_rmw('add', ary.data, ir.Constant(ir.IntType(64), 1), 'monotonic')
+    return types.int64(counter), codegen
+
+
+
+@intrinsic
+def _addr(typingctx, arr, idx):
+    """void* to arr.flat[idx] of a C-contiguous array, no view object."""
+    if not isinstance(arr, types.Array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        aty = signature.args[0]
+        ary = context.make_array(aty)(context, builder, args[0])
+        ptr = builder.gep(ary.data, [args[1]])
+        return builder.bitcast(ptr, ir.IntType(8).as_pointer())
+    return types.voidptr(arr, types.intp), codegen
+
+
+
+def fcast(arr, x):  # pragma: no cover - typing stub
+    raise NotImplementedError
+
+
+@overload(fcast)
+def _fcast_ol(arr, x):
+    """x converted to arr's float dtype. Mixing float64 scalars into float32
+    loops makes Numba promote the whole expression to float64 and kills the
+    vectorization, so every constant in a row pass goes through this."""
+    if arr.dtype == types.float32:
+        return lambda arr, x: np.float32(x)
+    if arr.dtype == types.float64:
+        return lambda arr, x: np.float64(x)
+    return None
+
+
