@@ -30,7 +30,7 @@ NV = 4 if HAVE_AVX512 else 2      # vectors per row: 6x4 zmm / 6x2 ymm accumulat
 PW = NV * W                       # panel width (columns per micro-tile)
 
 
-def _make_microkernel(MR, NV, prefetch_a=False):
+def _make_microkernel(MR, NV, prefetch_a=False, kb=0):
     """Build the MR x (NV*W) micro-kernel intrinsic (shapes fixed at import).
 
     prefetch_a: A rows are contiguous (sa_t == 1) and later calls read the
@@ -40,12 +40,12 @@ def _make_microkernel(MR, NV, prefetch_a=False):
     @intrinsic
     def mk(typingctx, c, c_off, ldc, a, a_off, sa_r, sa_t, b, b_off, ldb, K,
            ncols, beta):
-        return _mk_typer(MR, NV, prefetch_a, c, c_off, ldc, a, a_off, sa_r, sa_t,
+        return _mk_typer(MR, NV, prefetch_a, kb, c, c_off, ldc, a, a_off, sa_r, sa_t,
                          b, b_off, ldb, K, ncols, beta)
     return mk
 
 
-def _mk_typer(MR, NV, prefetch_a, c, c_off, ldc, a, a_off, sa_r, sa_t, b, b_off, ldb, K,
+def _mk_typer(MR, NV, prefetch_a, kb, c, c_off, ldc, a, a_off, sa_r, sa_t, b, b_off, ldb, K,
               ncols, beta):
     for arr in (c, a, b):
         if not (isinstance(arr, types.Array) and arr.dtype == types.float32):
@@ -108,15 +108,8 @@ def _mk_typer(MR, NV, prefetch_a, c, c_off, ldc, a, a_off, sa_r, sa_t, b, b_off,
             row = builder.gep(cbase, [builder.mul(ldc_, ir.Constant(i64, r))])
             return builder.bitcast(builder.gep(row, [ir.Constant(i64, v * W)]), vptr)
 
-        # accumulators live in allocas that mem2reg turns into registers;
-        # beta=0 -> the masked load is all-false and yields zeros without
-        # touching C (so C may hold garbage/NaN)
+        # accumulators live in allocas that mem2reg turns into registers
         accs = [[cgutils.alloca_once(builder, vty) for _ in range(NV)] for _ in range(MR)]
-        for r in range(MR):
-            for v in range(NV):
-                builder.store(builder.call(mload, [cptr(r, v), align,
-                                                   builder.and_(masks[v], bmask), zero]),
-                              accs[r][v])
         arow = [builder.mul(sa_r_, ir.Constant(i64, r)) for r in range(MR)]
         if prefetch_a:
             pf = cgutils.get_or_insert_function(
@@ -124,8 +117,8 @@ def _mk_typer(MR, NV, prefetch_a, c, c_off, ldc, a, a_off, sa_r, sa_t, b, b_off,
                                                      ir.IntType(32), ir.IntType(32)]),
                 "llvm.prefetch.p0")
             pfbase = builder.gep(abase, [builder.mul(sa_r_, ir.Constant(i64, 4 * MR))])
-        with cgutils.for_range(builder, K_) as loop:
-            t = loop.index
+
+        def kstep(t):
             if prefetch_a:
                 addr = builder.gep(pfbase, [builder.mul(t, ir.Constant(i64, 16))])
                 builder.call(pf, [builder.bitcast(addr, ir.IntType(8).as_pointer()),
@@ -141,21 +134,110 @@ def _mk_typer(MR, NV, prefetch_a, c, c_off, ldc, a, a_off, sa_r, sa_t, b, b_off,
                 for v in range(NV):
                     builder.store(builder.call(fma, [asp, bv[v], builder.load(accs[r][v])]),
                                   accs[r][v])
-        for r in range(MR):
-            for v in range(NV):
-                builder.call(mstore, [builder.load(accs[r][v]), cptr(r, v), align, masks[v]])
+
+        if not kb:
+            # one chain over all of K, starting from C (beta=1) or zero: beta=0
+            # -> the masked load is all-false and yields zeros without touching
+            # C (so C may hold garbage/NaN)
+            for r in range(MR):
+                for v in range(NV):
+                    builder.store(builder.call(mload, [cptr(r, v), align,
+                                                       builder.and_(masks[v], bmask), zero]),
+                                  accs[r][v])
+            with cgutils.for_range(builder, K_) as loop:
+                kstep(loop.index)
+            for r in range(MR):
+                for v in range(NV):
+                    builder.call(mstore, [builder.load(accs[r][v]), cptr(r, v), align, masks[v]])
+        elif MR * NV <= 12:
+            # blocked summation with the running totals in registers too
+            tots = [[cgutils.alloca_once(builder, vty) for _ in range(NV)] for _ in range(MR)]
+            for r in range(MR):
+                for v in range(NV):
+                    builder.store(zero, tots[r][v])
+            kbc = ir.Constant(i64, kb)
+            nch = builder.sdiv(builder.add(K_, ir.Constant(i64, kb - 1)), kbc)
+            with cgutils.for_range(builder, nch) as ch:
+                c0 = builder.mul(ch.index, kbc)
+                rest = builder.sub(K_, c0)
+                cnt = builder.select(builder.icmp_signed('<', rest, kbc), rest, kbc)
+                for r in range(MR):
+                    for v in range(NV):
+                        builder.store(zero, accs[r][v])
+                with builder.if_else(builder.icmp_signed('==', cnt, kbc)) as (full, tail):
+                    with full:
+                        for u in range(kb):
+                            kstep(builder.add(c0, ir.Constant(i64, u)))
+                    with tail:
+                        with cgutils.for_range(builder, cnt) as loop:
+                            kstep(builder.add(c0, loop.index))
+                for r in range(MR):
+                    for v in range(NV):
+                        builder.store(builder.fadd(builder.load(tots[r][v]), builder.load(accs[r][v])),
+                                      tots[r][v])
+            for r in range(MR):
+                for v in range(NV):
+                    old = builder.call(mload, [cptr(r, v), align, builder.and_(masks[v], bmask), zero])
+                    builder.call(mstore, [builder.fadd(builder.load(tots[r][v]), old),
+                                          cptr(r, v), align, masks[v]])
+        else:
+            # blocked summation: each chunk of kb k-steps starts from zero and
+            # is then added to C (through memory: no registers are left for a
+            # second set of accumulators). See _mk_typer's caller for why.
+            kbc = ir.Constant(i64, kb)
+            nch = builder.sdiv(builder.add(K_, ir.Constant(i64, kb - 1)), kbc)
+            one64 = ir.Constant(i64, 1)
+            nch = builder.select(builder.icmp_signed('<', nch, one64), one64, nch)
+            with cgutils.for_range(builder, nch) as ch:
+                c0 = builder.mul(ch.index, kbc)
+                rest = builder.sub(K_, c0)
+                cnt = builder.select(builder.icmp_signed('<', rest, kbc), rest, kbc)
+                for r in range(MR):
+                    for v in range(NV):
+                        builder.store(zero, accs[r][v])
+                # full chunks: k-steps unrolled (a constant trip count lets
+                # LLVM schedule loads across steps); the tail chunk loops
+                with builder.if_else(builder.icmp_signed('==', cnt, kbc)) as (full, tail):
+                    with full:
+                        for u in range(kb):
+                            kstep(builder.add(c0, ir.Constant(i64, u)))
+                    with tail:
+                        with cgutils.for_range(builder, cnt) as loop:
+                            kstep(builder.add(c0, loop.index))
+                later = builder.icmp_signed('>', ch.index, ir.Constant(i64, 0))
+                addc = splat(builder.or_(beta_, later), ir.IntType(1))
+                for r in range(MR):
+                    for v in range(NV):
+                        old = builder.call(mload, [cptr(r, v), align, builder.and_(masks[v], addc), zero])
+                        builder.call(mstore, [builder.fadd(builder.load(accs[r][v]), old),
+                                              cptr(r, v), align, masks[v]])
         return context.get_dummy_value()
     return sig, codegen
 
 
-# forward tiles: 6 x 4 vectors (24 accumulators)
+# P.V tiles: 6 x 4 vectors (24 accumulators), one FMA chain over the keys.
 microkernel_f32 = _make_microkernel(MR, NV)
+# Q.K^T tiles: blocked summation over the head dim, chunks of QK_KB. Scores
+# are large numbers whose absolute error shifts the softmax weights; one
+# sequential FMA chain over E = 64 had 2.8e-8 RMS error relative to
+# sum|q_e k_e|, twice OpenBLAS's small-matrix/gemv paths (1.3e-8) that the
+# float32 reference of the tests uses - so with logits x10..x100 the forward
+# failed the "2 x naive float32 error" rule in ~3% of random cases. Chunks of
+# 16: 1.6e-8 (E = 64), 1.3e-8 (E = 128). The running totals stay in
+# registers, so the tile is 6 x 2 vectors (12 partial + 12 total
+# accumulators), called twice per 64-key panel: ~8% slower than the 6 x 4
+# single chain on a 256x512x64 tile (QK_KB = 8: 1.5e-8, ~11%).
+QK_KB = 16
+QNV = max(1, NV // 2)
+QW = QNV * W                      # columns per Q.K^T micro-tile
+microkernel_qk = _make_microkernel(MR, QNV, kb=QK_KB)
 # decode Q.K^T as K . Q^T: many keys x one vector of query rows (R <= W) or
-# two (R <= 2W); K rows are broadcast straight from the cache
+# two (R <= 2W); K rows are broadcast straight from the cache; blocked like
+# microkernel_qk (dec2's totals go through memory: no registers left)
 MR_D1 = 12
-mk_dec1 = _make_microkernel(MR_D1, 1, True)
+mk_dec1 = _make_microkernel(MR_D1, 1, True, kb=QK_KB)
 MR_D2 = 8
-mk_dec2 = _make_microkernel(MR_D2, 2, True)
+mk_dec2 = _make_microkernel(MR_D2, 2, True, kb=QK_KB)
 
 
 @njit
@@ -176,9 +258,9 @@ def pack_k_panel(kf, koff, S, E, Kp, poff, p):
 
 
 @njit
-def pack_q_tiles(qf, qoff, nq, E, qscale, Qp, ntiles):
-    """Q rows (scaled) -> micro-tiles of MR rows, k-major inside a tile:
-    Qp[(tile*E + t)*MR + r] = scale * Q[tile*MR + r, t] (zero rows past nq),
+def pack_q_tiles(qf, qoff, nq, E, Qp, ntiles):
+    """Q rows -> micro-tiles of MR rows, k-major inside a tile:
+    Qp[(tile*E + t)*MR + r] = Q[tile*MR + r, t] (zero rows past nq),
     so the kernel's MR broadcasts per k-step are adjacent in memory.
     Writes are sequential and the MR source rows are read in parallel (the
     other loop order, stride-MR writes, cost ~2 ns per element)."""
@@ -190,11 +272,11 @@ def pack_q_tiles(qf, qoff, nq, E, qscale, Qp, ntiles):
         if r_n == MR:
             for t in range(E):
                 for r in range(MR):
-                    Qp[dst + t * MR + r] = qf[src + r * E + t] * qscale
+                    Qp[dst + t * MR + r] = qf[src + r * E + t]
         else:
             for t in range(E):
                 for r in range(MR):
-                    Qp[dst + t * MR + r] = qf[src + r * E + t] * qscale if r < r_n else zero
+                    Qp[dst + t * MR + r] = qf[src + r * E + t] if r < r_n else zero
 
 
 @njit
@@ -203,10 +285,11 @@ def gemm_qk(Sb, Bk, Qp, E, ntiles, Kp, kpoff, p0, p1):
     (panel p starts at Kp[kpoff + p*E*PW]). Panel-outer: one 16 KiB K panel
     stays in L1 while the packed Q tiles stream through in order."""
     for p in range(p0, p1):
-        col = (p - p0) * PW
-        for it in range(ntiles):
-            microkernel_f32(Sb, it * MR * Bk + col, Bk, Qp, it * E * MR, 1, MR,
-                            Kp, kpoff + p * E * PW, PW, E, PW, False)
+        for c in range(0, PW, QW):
+            col = (p - p0) * PW + c
+            for it in range(ntiles):
+                microkernel_qk(Sb, it * MR * Bk + col, Bk, Qp, it * E * MR, 1, MR,
+                               Kp, kpoff + p * E * PW + c, PW, E, QW, False)
 
 
 KC = 128   # keys per k-chunk of P.V: a 128 x 64 V chunk (32 KiB) stays in L1
@@ -224,10 +307,10 @@ def gemm_pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, ntiles):
                                 vf, voff + k0 * Ev + c0, Ev, kc, nc, True)
 
 
-@njit
+@njit(fastmath={'contract'})   # FMA in the scalar tail, like the kernels
 def dec_qk(Sb, kf, koff, E, n, Qt, R, SbT):
     """Decode scores Sb[:R, :n] = Q . K[koff...]^T for R query rows, computed
-    as S^T = K . Q^T (Qt: E x R, scaled). The last n % MR keys use plain
+    as S^T = K . Q^T (Qt: E x R). The last n % MR keys use plain
     loops (the kernel's rows are unmasked and must not read past K's end);
     SbT is (>= n) x R scratch, transposed into Sb at the end (n*R moves)."""
     zero = np.float32(0.0)
@@ -242,14 +325,17 @@ def dec_qk(Sb, kf, koff, E, n, Qt, R, SbT):
     else:
         full = (n // MR) * MR
         for j in range(0, full, MR):
-            for c0 in range(0, R, PW):
-                microkernel_f32(SbT, j * R + c0, R, kf, koff + j * E, E, 1, Qt, c0, R, E,
-                                min(PW, R - c0), False)
+            for c0 in range(0, R, QW):
+                microkernel_qk(SbT, j * R + c0, R, kf, koff + j * E, E, 1, Qt, c0, R, E,
+                               min(QW, R - c0), False)
     for j in range(full, n):
         for r in range(R):
             s = zero
-            for t in range(E):
-                s += Qt[t * R + r] * kf[koff + j * E + t]
+            for t0 in range(0, E, QK_KB):      # blocked like the kernels
+                c = zero
+                for t in range(t0, min(E, t0 + QK_KB)):
+                    c += Qt[t * R + r] * kf[koff + j * E + t]
+                s += c
             SbT[j * R + r] = s
     for r in range(R):
         for j in range(n):

@@ -7,18 +7,29 @@ import numpy as np
 from numba import njit
 
 from ._blas import gemm_nn
-from ._exp import LN2, LOG2E, exp2v, tanhv
+from ._exp import LOG2E, exp2v, tanhv
 from ._hash import dropout_bits, dropout_row_key
 from ._intrinsics import FM, fcast, fmax_nan, wide_vectors
 
 
 # --------------------------------------------------------------------------
-# Tile passes shared by forward and decode. A score tile S is a C-contiguous
-# (rows, Bk) array in log2 units; each pass works on rows r0..r1-1 and the
-# first n columns. Passes take the 2-D tile and loop over rows inside:
-# calling a helper per row with a row view cost ~170 ns per row (view
-# refcounting + a non-inlined call with ~30 arguments), i.e. as much as the
-# exp of the row itself at Bk=512.
+# A score tile S is a C-contiguous (rows, Bk) array; each pass works on rows
+# r0..r1-1 and the first n columns. Passes take the 2-D tile and loop over
+# rows inside: calling a helper per row with a row view cost ~170 ns per row
+# (view refcounting + a non-inlined call with ~30 arguments), i.e. as much as
+# the exp of the row itself at Bk=512.
+#
+# Units. The GEMM leaves the raw products x = q.k (Q is NOT prescaled).
+# With softcap, ALiBi or a float mask the pipeline turns x into the natural
+# score s = scale*x first (those terms are defined on s); otherwise the tile
+# stays raw. tile_online then takes c = scale*log2(e) (raw tile) or log2(e)
+# (natural tile) and exponentiates 2**(x*c - m), where the running max m is
+# in log2 units; x*c - m is one FMA, rounded once, relative to the small
+# |x*c - m| of the weights that matter. Folding scale*log2(e) into Q instead
+# (one multiply less per score) rounded every q element and added an error
+# relative to sum|q_e k_e|: with large logits (q, k x100) the output error
+# was 11x the naive float32 computation's (tests/test_forward.py,
+# test_large_values_stay_finite and the large-logit sweep).
 # --------------------------------------------------------------------------
 @njit(fastmath=FM)
 def mask_strides(m, B, H, L, S):
@@ -32,29 +43,33 @@ def mask_strides(m, B, H, L, S):
 
 
 @njit(fastmath=FM)
-def tile_pipeline(S, r0, r1, n, j0, pos0, use_cap, softcap, has_alibi,
-                  slope2, mask_kind, mbf, mff, mbase, sL, sS, mstat,
+def tile_pipeline(S, r0, r1, n, j0, pos0, to_nat, scale, use_cap, softcap,
+                  has_alibi, slope, mask_kind, mbf, mff, mbase, sL, sS, mstat,
                   band_partial, win_left, win_right):
-    """docs/KERNELS.md score pipeline on rows r0..r1-1 of a tile, in order:
-    softcap, ALiBi, float mask, bool mask, band. Row r sits at position
-    pos0 + (r - r0) and reads mask entries at mbase + (r - r0)*sL + j*sS.
-    Each step is a separate vectorized loop; steps the block does not need
-    are skipped. Replacement (not addition) of -inf keeps NaN scores of
-    masked keys out."""
+    """docs/KERNELS.md score pipeline on rows r0..r1-1 of a tile of raw
+    products, in order: scale (only when to_nat), softcap, ALiBi, float mask,
+    bool mask, band. Row r sits at position pos0 + (r - r0) and reads mask
+    entries at mbase + (r - r0)*sL + j*sS. Each step is a separate vectorized
+    loop; steps the block does not need are skipped. Replacement (not
+    addition) of -inf keeps NaN scores of masked keys out."""
     wide_vectors()
     ninf = fcast(S, -np.inf)
-    log2e = fcast(S, LOG2E)
-    inv_cap = fcast(S, 1.0 / softcap) if use_cap else fcast(S, 0.0)
-    c2 = fcast(S, softcap * LOG2E)
+    sc = fcast(S, scale)
+    # softcap divides (like the spec) rather than multiplying by a rounded
+    # 1/cap: one rounding fewer in tanh's argument; only softcap pays for it
+    cap = fcast(S, softcap) if use_cap else fcast(S, 1.0)
     for r in range(r0, r1):
         d = r - r0
         pos = pos0 + d
         if use_cap:
             for j in range(n):
-                S[r, j] = c2 * tanhv(S[r, j] * inv_cap)
+                S[r, j] = cap * tanhv((S[r, j] * sc) / cap)
+        elif to_nat:
+            for j in range(n):
+                S[r, j] = S[r, j] * sc
         if has_alibi:
             for j in range(n):
-                S[r, j] = S[r, j] - slope2 * fcast(S, abs(pos - (j0 + j)))
+                S[r, j] = S[r, j] - slope * fcast(S, abs(pos - (j0 + j)))
         mo = mbase + d * sL
         if mask_kind == 2:
             if sS == 0:
@@ -63,13 +78,12 @@ def tile_pipeline(S, r0, r1, n, j0, pos0, use_cap, softcap, has_alibi,
                     for j in range(n):
                         S[r, j] = ninf
                 else:
-                    add = mv * log2e
                     for j in range(n):
-                        S[r, j] = S[r, j] + add
+                        S[r, j] = S[r, j] + mv
             else:
                 for j in range(n):
                     mv = mff[mo + j]
-                    S[r, j] = ninf if mv == ninf else S[r, j] + mv * log2e
+                    S[r, j] = ninf if mv == ninf else S[r, j] + mv
         elif mask_kind == 1 and mstat == 2:
             if sS == 0:
                 if mbf[mo] == 0:
@@ -90,6 +104,18 @@ def tile_pipeline(S, r0, r1, n, j0, pos0, use_cap, softcap, has_alibi,
                 S[r, j] = ninf
 
 
+@njit
+def score_units(arr, scale, softcap, has_alibi, mask_kind):
+    """(to_nat, c, kappa) of a call, see the units note above: whether the
+    pipeline turns tiles into natural scores, the factor c of tile_online
+    (as passed; tile_online rounds it to the dtype) and kappa of
+    tile_finalize."""
+    to_nat = softcap > 0.0 or has_alibi or mask_kind == 2
+    c = LOG2E if to_nat else scale * LOG2E
+    kappa = (1.0 if to_nat else scale) / np.float64(fcast(arr, c))
+    return to_nat, c, kappa
+
+
 # Lazy rescaling: once a row has a running max m, a new block is first
 # exponentiated against that m in a single pass (no separate max pass). If
 # the row sum stays <= 2**16 every weight is <= 2**16 - nothing can overflow
@@ -101,23 +127,25 @@ LAZY_LIMIT = 65536.0
 
 
 @njit(fastmath=FM)
-def tile_online(S, P, r0, r1, n, m, lsum, acc, Ev):
-    """Online-softmax update of rows r0..r1-1 with their scores S[r, :n].
+def tile_online(S, P, r0, r1, n, m, lsum, acc, Ev, c):
+    """Online-softmax update of rows r0..r1-1 with their scores S[r, :n]
+    (log2-unit score = S * c, c > 0).
 
-    Writes the unnormalized weights 2**(s - m) to P (zeros for rows with
-    nothing allowed yet), updates m, lsum and rescales acc rows whose m
-    moved."""
+    Writes the unnormalized weights 2**(S*c - m) to P (zeros for rows with
+    nothing allowed yet), updates m (log2 units), lsum and rescales acc rows
+    whose m moved."""
     wide_vectors()
     ninf = fcast(S, -np.inf)
     one = fcast(S, 1.0)
     zero = fcast(S, 0.0)
     lim = fcast(S, LAZY_LIMIT)
+    c = fcast(S, c)
     for r in range(r0, r1):
         m_old = m[r]
         if m_old != ninf:
             s = zero
             for j in range(n):
-                p = exp2v(S[r, j] - m_old)
+                p = exp2v(S[r, j] * c - m_old)
                 P[r, j] = p
                 s += p
             if s <= lim:            # False for inf and NaN
@@ -126,7 +154,7 @@ def tile_online(S, P, r0, r1, n, m, lsum, acc, Ev):
         mx = S[r, 0]
         for j in range(1, n):
             mx = fmax_nan(mx, S[r, j])
-        m_new = fmax_nan(m_old, mx)
+        m_new = fmax_nan(m_old, mx * c)
         if m_new == ninf:
             for j in range(n):
                 P[r, j] = zero
@@ -134,7 +162,7 @@ def tile_online(S, P, r0, r1, n, m, lsum, acc, Ev):
         alpha = exp2v(m_old - m_new)
         s = zero
         for j in range(n):
-            p = exp2v(S[r, j] - m_new)
+            p = exp2v(S[r, j] * c - m_new)
             P[r, j] = p
             s += p
         lsum[r] = lsum[r] * alpha + s
@@ -145,23 +173,30 @@ def tile_online(S, P, r0, r1, n, m, lsum, acc, Ev):
 
 
 @njit
-def tile_dropout(P, r0, r1, n, seed, bh, i0, j0, thresh, inv_keep):
-    """Apply the spec's dropout to weights P[r, :n], row r = query i0 + r - r0."""
+def tile_dropout(P, r0, r1, n, seed, bh, i0, j0, thresh):
+    """Zero the weights P[r, :n] the spec's dropout drops (row r = query
+    i0 + r - r0). The 1/(1-p) factor is applied once per output element in
+    finalize (one rounding instead of one per weight)."""
     zero = fcast(P, 0.0)
     for r in range(r0, r1):
         rk = dropout_row_key(seed, bh, i0 + (r - r0))
         for j in range(n):
-            bits = dropout_bits(rk, j0 + j)
-            P[r, j] = P[r, j] * inv_keep if bits >= thresh else zero
+            if dropout_bits(rk, j0 + j) < thresh:
+                P[r, j] = zero
 
 
 @njit
-def tile_finalize(acc, m, lsum, nq, Ev, of, ooff, lse_flat, loff):
-    """out rows = acc / l, lse = (m + log2 l) * ln2; rows that never saw an
-    allowed key (m = -inf or l = 0) get out = 0, lse = -inf."""
+def tile_finalize(acc, m, lsum, nq, Ev, of, ooff, lse_flat, loff, inv_keep, kappa):
+    """out rows = acc * (1/(1-p)) / l, lse = m * kappa + ln l; rows that
+    never saw an allowed key (m = -inf or l = 0) get out = 0, lse = -inf.
+
+    kappa converts the log2-unit max back to a natural score: the weights
+    were 2**(x*c - m) with c the dtype-rounded factor of tile_online, so
+    kappa = (scale for a raw tile, 1 for a natural one) / c, in float64 -
+    using ln2 instead would add c's rounding times |score| to lse. The factor
+    and lse are formed in float64 so float32 results are rounded once."""
     ninf = fcast(acc, -np.inf)
     zero = fcast(acc, 0.0)
-    one = fcast(acc, 1.0)
     for r in range(nq):
         lr = lsum[r]
         if m[r] == ninf or lr == zero:
@@ -169,10 +204,10 @@ def tile_finalize(acc, m, lsum, nq, Ev, of, ooff, lse_flat, loff):
                 of[ooff + r * Ev + t] = zero
             lse_flat[loff + r] = ninf
         else:
-            inv = one / lr
+            f = np.float64(inv_keep) / np.float64(lr)
             for t in range(Ev):
-                of[ooff + r * Ev + t] = acc[r, t] * inv
-            lse_flat[loff + r] = (m[r] + np.log2(lr)) * fcast(acc, LN2)
+                of[ooff + r * Ev + t] = acc[r, t] * f
+            lse_flat[loff + r] = np.float64(m[r]) * kappa + np.log(np.float64(lr))
 
 
 @njit(fastmath=FM)

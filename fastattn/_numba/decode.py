@@ -14,12 +14,12 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from ._blas import blas_single_thread, gemm_nn, gemm_nt, numba_threads, prime_blas
-from ._exp import LN2, LOG2E, exp2v
+from ._exp import exp2v
 from ._hash import dropout_threshold_nb
 from ._intrinsics import FM, atomic_next, fcast, fmax_nan, wide_vectors
 from ._tiles import (
     block_all_finite, block_status_bool, block_status_float, mask_strides, pv_nonfinite,
-    tile_dropout, tile_online, tile_pipeline)
+    score_units, tile_dropout, tile_online, tile_pipeline)
 from ._gemm import MR, dec_qk, gemm_pv
 
 
@@ -87,10 +87,10 @@ def _decode_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool,
         sB, sH, sL, sS = mask_strides(mask_float, B, Hq, L, S)
     Ba = alibi.shape[0]
     use_cap = softcap > 0.0
-    qscale = fcast(q, scale if use_cap else scale * LOG2E)
+    # natural scores only where softcap/ALiBi/float mask need them (_tiles.py)
+    to_nat, c_exp, kappa = score_units(q, scale, softcap, has_alibi, mask_kind)
     do_drop = dropout_p > 0.0
     thresh = dropout_threshold_nb(dropout_p)
-    inv_keep = fcast(q, 1.0 / (1.0 - dropout_p))
     ninf = fcast(q, -np.inf)
     one = fcast(q, 1.0)
     zero = fcast(q, 0.0)
@@ -113,7 +113,7 @@ def _decode_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool,
     qoff = (b * Hq + hk * g) * L * E
     for r in range(R):
         for t in range(E):
-            Qs[r, t] = qf[qoff + r * E + t] * qscale
+            Qs[r, t] = qf[qoff + r * E + t]
     Sb = np.empty((R, Bk), q.dtype)
     Pb = np.empty((Rp, Bk), q.dtype)
     Vs = np.empty((1, 1), q.dtype)
@@ -161,19 +161,19 @@ def _decode_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool,
                     r0 = hh * L
                     band_partial = (j0 < pos_max - win_left) or (j0 + n - 1 > pos_min + win_right)
                     if always_rows or band_partial or mstat == 2:
-                        slope2 = zero
+                        slope = zero
                         if has_alibi:
-                            slope2 = fcast(q, alibi[b if Ba > 1 else 0, h] * LOG2E)
-                        tile_pipeline(Sb, r0, r0 + L, n, j0, q_offset, use_cap,
-                                      softcap, has_alibi, slope2, mask_kind,
+                            slope = fcast(q, alibi[b if Ba > 1 else 0, h])
+                        tile_pipeline(Sb, r0, r0 + L, n, j0, q_offset, to_nat, scale,
+                                      use_cap, softcap, has_alibi, slope, mask_kind,
                                       mbf, mff, b * sB + h * sH + j0 * sS, sL,
                                       sS, mstat, band_partial, win_left,
                                       win_right)
-                tile_online(Sb, Pb, 0, R, n, m, lsum, acc, Ev)
+                tile_online(Sb, Pb, 0, R, n, m, lsum, acc, Ev, c_exp)
                 if do_drop:
                     for hh in range(g):
                         tile_dropout(Pb, hh * L, hh * L + L, n, seed,
-                                     b * Hq + hk * g + hh, 0, j0, thresh, inv_keep)
+                                     b * Hq + hk * g + hh, 0, j0, thresh)
                 voff = vbase + j0 * Ev
                 if block_all_finite(vf, voff, n * Ev):
                     _dec_pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, R, ab)
@@ -191,15 +191,19 @@ def _decode_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool,
 
 
 @njit(fastmath=FM)
-def _decode_merge(bk, nchunks, pm, pl, pacc, out, lse, g, L, Hkv):
-    """Log-sum-exp merge of the chunk partials of one (batch, kv head)."""
+def _decode_merge(bk, nchunks, pm, pl, pacc, out, lse, g, L, Hkv, inv_keep, kappa):
+    """Log-sum-exp merge of the chunk partials of one (batch, kv head).
+
+    The weighted sum and the final factor 1/(1-p) / l are formed in float64,
+    so a float32 output is rounded once (a single chunk passes through
+    exactly: its weight is 2**0). lse as in _tiles.tile_finalize."""
     Ev = out.shape[3]
     R = g * L
     b = bk // Hkv
     hk = bk - b * Hkv
     ninf = fcast(out, -np.inf)
     zero = fcast(out, 0.0)
-    one = fcast(out, 1.0)
+    o64 = np.empty(max(Ev, 1), np.float64)
     for r in range(R):
         hh = r // L
         i = r - hh * L
@@ -207,31 +211,27 @@ def _decode_merge(bk, nchunks, pm, pl, pacc, out, lse, g, L, Hkv):
         M = ninf
         for c in range(nchunks):
             M = fmax_nan(M, pm[bk * nchunks + c, r])
-        if M == ninf:
+        ltot = 0.0
+        if M != ninf:
+            for t in range(Ev):
+                o64[t] = 0.0
+            for c in range(nchunks):
+                mc = pm[bk * nchunks + c, r]
+                if mc == ninf:
+                    continue      # empty chunk: exp2(-inf - M) is 0 anyway, skip
+                w = np.float64(exp2v(mc - M))
+                ltot += w * pl[bk * nchunks + c, r]
+                for t in range(Ev):
+                    o64[t] += w * pacc[bk * nchunks + c, r, t]
+        if ltot == 0.0:
             for t in range(Ev):
                 out[b, h, i, t] = zero
             lse[b, h, i] = ninf
             continue
-        ltot = zero
+        f = inv_keep / ltot
         for t in range(Ev):
-            out[b, h, i, t] = zero
-        for c in range(nchunks):
-            mc = pm[bk * nchunks + c, r]
-            if mc == ninf:
-                continue      # empty chunk: exp2(-inf - M) is 0 anyway, skip
-            w = exp2v(mc - M)
-            ltot += w * pl[bk * nchunks + c, r]
-            for t in range(Ev):
-                out[b, h, i, t] += w * pacc[bk * nchunks + c, r, t]
-        if ltot == zero:
-            for t in range(Ev):
-                out[b, h, i, t] = zero
-            lse[b, h, i] = ninf
-            continue
-        inv = one / ltot
-        for t in range(Ev):
-            out[b, h, i, t] *= inv
-        lse[b, h, i] = (M + np.log2(ltot)) * fcast(out, LN2)
+            out[b, h, i, t] = o64[t] * f
+        lse[b, h, i] = np.float64(M) * kappa + np.log(ltot)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -264,8 +264,10 @@ def _decode_kernel(q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
             _decode_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool,
                          mask_float, has_alibi, alibi, scale, softcap, q_offset,
                          win_left, win_right, dropout_p, seed, Bk, pm, pl, pacc)
+    kappa = score_units(q, scale, softcap, has_alibi, mask_kind)[2]
     for bk in prange(B * Hkv):
-        _decode_merge(bk, nchunks, pm, pl, pacc, out, lse, g, L, Hkv)
+        _decode_merge(bk, nchunks, pm, pl, pacc, out, lse, g, L, Hkv,
+                      1.0 / (1.0 - dropout_p), kappa)
 
 
 def decode_chunks(B, Hkv, S, n_threads, Bk):

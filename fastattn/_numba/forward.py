@@ -1,12 +1,12 @@
 """FlashAttention-2 forward kernel (Numba).
 
 Work items are flattened (batch*head, query-block) pairs; one prange
-iteration per thread claims items from an atomic counter. Per item: prescale
-the Q block once (scale*log2e folded in, so scores come out of the GEMM in
-log2 units), then for every key block that intersects the allowed band:
+iteration per thread claims items from an atomic counter. Per item: pack the
+Q block once, then for every key block that intersects the allowed band:
 S = Q.K^T, the score pipeline only where a block needs it (partial band,
 mixed mask, softcap, ALiBi), lazy online softmax (running max m, sum l; acc
-rescaled only when m moves), acc += P.V. float32 tiles use the register-
+rescaled only when m moves; the scale is applied inside the exp argument,
+see _tiles.py), acc += P.V. float32 tiles use the register-
 blocked kernel of _gemm.py on a once-per-call panel layout of K; float64
 tiles use BLAS through numba_xxgemm (beta=1 accumulation, no temporaries).
 """
@@ -17,12 +17,11 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from ._blas import blas_single_thread, gemm_nn, gemm_nt, numba_threads, prime_blas
-from ._exp import LOG2E
 from ._hash import dropout_threshold_nb
 from ._intrinsics import FM, atomic_next, fcast, wide_vectors
 from ._tiles import (
     block_all_finite, block_status_bool, block_status_float, mask_strides, pv_nonfinite,
-    tile_dropout, tile_finalize, tile_online, tile_pipeline)
+    score_units, tile_dropout, tile_finalize, tile_online, tile_pipeline)
 from ._gemm import MR, PW, gemm_pv, gemm_qk, pack_k_panel, pack_q_tiles
 
 
@@ -34,11 +33,11 @@ def _packed(arr):  # pragma: no cover - typing stubs
     raise NotImplementedError
 
 
-def _prep_q(qf, qoff, nq, E, qscale, Qs, Qp, ntiles):  # pragma: no cover
+def _prep_q(qf, qoff, nq, E, Qp, ntiles):  # pragma: no cover
     raise NotImplementedError
 
 
-def _qk(Sb, Bk, Qs, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab):  # pragma: no cover
+def _qk(Sb, Bk, qf, qoff, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab):  # pragma: no cover
     raise NotImplementedError
 
 
@@ -57,26 +56,24 @@ def _packed_ol(arr):
 
 
 @overload(_prep_q)
-def _prep_q_ol(qf, qoff, nq, E, qscale, Qs, Qp, ntiles):
+def _prep_q_ol(qf, qoff, nq, E, Qp, ntiles):
     if qf.dtype == types.float32:
-        def impl(qf, qoff, nq, E, qscale, Qs, Qp, ntiles):
-            pack_q_tiles(qf, qoff, nq, E, qscale, Qp, ntiles)
+        def impl(qf, qoff, nq, E, Qp, ntiles):
+            pack_q_tiles(qf, qoff, nq, E, Qp, ntiles)
     else:
-        def impl(qf, qoff, nq, E, qscale, Qs, Qp, ntiles):
-            for r in range(nq):
-                for t in range(E):
-                    Qs[r, t] = qf[qoff + r * E + t] * qscale
+        def impl(qf, qoff, nq, E, Qp, ntiles):
+            pass      # BLAS reads the Q rows in place
     return impl
 
 
 @overload(_qk)
-def _qk_ol(Sb, Bk, Qs, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab):
+def _qk_ol(Sb, Bk, qf, qoff, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab):
     if Sb.dtype == types.float32:
-        def impl(Sb, Bk, Qs, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab):
+        def impl(Sb, Bk, qf, qoff, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab):
             gemm_qk(Sb, Bk, Qp, E, ntiles, Kp, kpoff, j0 // PW, (j0 + n + PW - 1) // PW)
     else:
-        def impl(Sb, Bk, Qs, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab):
-            gemm_nt(nq, n, E, Qs, 0, Eld, kf, kbase + j0 * E, Eld, 1, Sb, 0, Bk, ab)
+        def impl(Sb, Bk, qf, qoff, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab):
+            gemm_nt(nq, n, E, qf, qoff, Eld, kf, kbase + j0 * E, Eld, 1, Sb, 0, Bk, ab)
     return impl
 
 
@@ -151,12 +148,12 @@ def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
     Ba = alibi.shape[0]
 
     use_cap = softcap > 0.0
-    # Q prescale: scores leave the GEMM already scaled, in log2 units unless
-    # softcap must see the natural-unit score first.
-    qscale = fcast(q, scale if use_cap else scale * LOG2E)
+    # the tile is turned into natural scores only when softcap, ALiBi or a
+    # float mask need them; otherwise the scale goes into the exp's FMA
+    to_nat, c_exp, kappa = score_units(q, scale, softcap, has_alibi, mask_kind)
     do_drop = dropout_p > 0.0
     thresh = dropout_threshold_nb(dropout_p)
-    inv_keep = fcast(q, 1.0 / (1.0 - dropout_p))
+    inv_keep = 1.0 / (1.0 - dropout_p)
     ninf = fcast(q, -np.inf)
     one = fcast(q, 1.0)
     zero = fcast(q, 0.0)
@@ -175,13 +172,11 @@ def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
     nq = min(Bq, L - i0)
 
     # rows padded to whole micro-tiles (float32 kernel); pad rows are never
-    # read back. Qs is used by the BLAS path, Qp by the packed one.
+    # read back. Qp holds the packed Q tiles of the float32 kernel.
     ntiles = (nq + MR - 1) // MR
-    Bqp = ((Bq + MR - 1) // MR) * MR
     # Scratch comes from the caller's per-worker workspace: allocating ~1 MB
     # per item cost ~0.5 ms of page faults (mmap'd by malloc, touched fresh).
     Qp = Qx
-    Qs = Qx[:Bqp * Eld].reshape((Bqp, Eld))
     Vs = np.empty((1, 1), q.dtype)
     for r in range(nq):
         m[r] = ninf
@@ -191,15 +186,16 @@ def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
     ab[0] = one
     ab[1] = zero
 
-    _prep_q(qf, ((b * Hq + h) * L + i0) * E, nq, E, qscale, Qs, Qp, ntiles)
+    qoff = ((b * Hq + h) * L + i0) * E
+    _prep_q(qf, qoff, nq, E, Qp, ntiles)
 
     pos_first = i0 + q_offset
     pos_last = i0 + nq - 1 + q_offset
     jlo = max(0, pos_first - win_left)
     jhi = min(S - 1, pos_last + win_right)
-    slope2 = zero
+    slope = zero
     if has_alibi:
-        slope2 = fcast(q, alibi[b if Ba > 1 else 0, h] * LOG2E)
+        slope = fcast(q, alibi[b if Ba > 1 else 0, h])
     mbase = b * sB + h * sH + i0 * sL
     kbase = (b * Hkv + hk) * S * E
     vbase = (b * Hkv + hk) * S * Ev
@@ -230,20 +226,20 @@ def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
             p1 = (j0 + n + PW - 1) // PW
             for p in range(p0, p1):
                 _pack_k_local(kf, kbase, S, E, Kl, -p0 * E * PW, p)
-            _qk(Sb, Bk, Qs, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kl,
+            _qk(Sb, Bk, qf, qoff, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kl,
                 -p0 * E * PW, ab)
         else:
-            _qk(Sb, Bk, Qs, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp,
+            _qk(Sb, Bk, qf, qoff, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp,
                 (b * Hkv + hk) * ((S + PW - 1) // PW) * E * PW, ab)
 
         if need_rows:
-            tile_pipeline(Sb, 0, nq, n, j0, pos_first, use_cap, softcap,
-                          has_alibi, slope2, mask_kind, mbf, mff,
+            tile_pipeline(Sb, 0, nq, n, j0, pos_first, to_nat, scale, use_cap,
+                          softcap, has_alibi, slope, mask_kind, mbf, mff,
                           mbase + j0 * sS, sL, sS, mstat, band_partial,
                           win_left, win_right)
-        tile_online(Sb, Pb, 0, nq, n, m, lsum, acc, Ev)
+        tile_online(Sb, Pb, 0, nq, n, m, lsum, acc, Ev, c_exp)
         if do_drop:
-            tile_dropout(Pb, 0, nq, n, seed, bh, i0, j0, thresh, inv_keep)
+            tile_dropout(Pb, 0, nq, n, seed, bh, i0, j0, thresh)
 
         voff = vbase + j0 * Ev
         if block_all_finite(vf, voff, n * Ev):
@@ -255,7 +251,7 @@ def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
         j0 += Bk
 
     tile_finalize(acc, m, lsum, nq, Ev, of, ((b * Hq + h) * L + i0) * Ev,
-                  lse.reshape(-1), (b * Hq + h) * L + i0)
+                  lse.reshape(-1), (b * Hq + h) * L + i0, inv_keep, kappa)
 
 
 @njit(parallel=True, cache=True, nogil=True)

@@ -1,0 +1,90 @@
+"""Numba kernel internals: the math helpers and the GEMM micro-kernels on their own.
+
+The backend-parametrized suites (test_forward.py, test_decode.py, test_backward.py) check the
+kernels through the public API; here the pieces whose accuracy those results rest on are held to
+explicit bounds, so a change of a polynomial or of a summation order is caught where it is made.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba", reason="numba not installed")
+
+from numba import njit  # noqa: E402
+
+from fastattn._numba import _exp, _gemm  # noqa: E402
+
+
+@njit
+def _apply(f, x, o):
+    for i in range(x.size):
+        o[i] = f(x[i])
+
+
+def _ulps(got, exact):
+    """|got - exact| in units of the float32 spacing at exact."""
+    spacing = np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)
+    return np.abs(got.astype(np.float64) - exact) / spacing
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_exp2_special_values_and_accuracy(dtype):
+    fn = _exp.exp2_f32 if dtype == np.float32 else _exp.exp2_f64
+    lim, tol = (126, 1.2e-7) if dtype == np.float32 else (1022, 1e-15)
+    x = np.concatenate([[-np.inf, -1e30, -lim - 5.0, 0.0, np.nan],
+                        np.linspace(-lim + 1, 10, 200001)]).astype(dtype)
+    o = np.empty_like(x)
+    _apply(fn, x, o)
+    assert o[0] == 0 and o[1] == 0 and o[2] == 0 and o[3] == 1 and np.isnan(o[4])
+    exact = np.exp2(x[5:].astype(np.float64))
+    assert (np.abs(o[5:] - exact) / exact).max() < tol
+
+
+def test_tanh_f32_accuracy_and_saturation():
+    """<= 2 ulp everywhere (numpy's float32 tanh: 1.4), odd, and exactly +-1 where float32 rounds
+    tanh to 1 (a clamp at 9 once returned 1 - 2**-24 for every saturated softcap score)."""
+    x = np.concatenate([np.linspace(0, 12, 1200001), [1e-30, 0.55, 9.02, 50.0, 1e4, np.inf]])
+    x = x.astype(np.float32)
+    o = np.empty_like(x)
+    _apply(_exp.tanh_f32, x, o)
+    exact = np.tanh(x.astype(np.float64))
+    nz = exact != 0
+    assert _ulps(o[nz], exact[nz]).max() <= 2.0
+    assert np.all(o[x >= 9.02] == 1.0)
+    neg = np.empty_like(x)
+    _apply(_exp.tanh_f32, -x, neg)
+    assert np.array_equal(neg, -o)
+
+
+@njit
+def _qk_tile(q, k):
+    """Q . K^T through the forward's packing and Q.K^T driver (float32)."""
+    L, E = q.shape
+    S = k.shape[0]
+    ntiles = (L + _gemm.MR - 1) // _gemm.MR
+    Qp = np.zeros(ntiles * _gemm.MR * E, np.float32)
+    _gemm.pack_q_tiles(q.reshape(-1), 0, L, E, Qp, ntiles)
+    npan = (S + _gemm.PW - 1) // _gemm.PW
+    Kp = np.zeros(npan * E * _gemm.PW, np.float32)
+    for p in range(npan):
+        _gemm.pack_k_panel(k.reshape(-1), 0, S, E, Kp, 0, p)
+    Sb = np.zeros((ntiles * _gemm.MR, npan * _gemm.PW), np.float32)
+    _gemm.gemm_qk(Sb, npan * _gemm.PW, Qp, E, ntiles, Kp, 0, 0, npan)
+    return Sb[:L, :S]
+
+
+@pytest.mark.parametrize("E", [1, 16, 33, 64, 128])
+def test_qk_tile_exact_enough(E):
+    """Scores get blocked summation over the head dim (chunks of 16): RMS error relative to
+    sum|q_e k_e| must stay well below one sequential FMA chain's (2.8e-8 at E = 64/128), near
+    OpenBLAS's small-matrix path (1.3e-8) that the float32 reference of the tests uses."""
+    rng = np.random.default_rng(E)
+    q = rng.standard_normal((61, E)).astype(np.float32)
+    k = rng.standard_normal((203, E)).astype(np.float32)
+    got = _qk_tile(q, k).astype(np.float64)
+    exact = q.astype(np.float64) @ k.T.astype(np.float64)
+    mag = np.abs(q.astype(np.float64)) @ np.abs(k.T.astype(np.float64))
+    rel = (got - exact) / mag
+    bound = 3.2e-8 if E <= 16 else 2.4e-8 if E < 64 else 2.0e-8   # E <= 16: a single chunk
+    assert np.sqrt((rel ** 2).mean()) < bound
