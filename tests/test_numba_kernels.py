@@ -64,13 +64,13 @@ def _qk_tile(q, k):
     S = k.shape[0]
     ntiles = (L + _gemm.MR - 1) // _gemm.MR
     Qp = np.zeros(ntiles * _gemm.MR * E, np.float32)
-    _gemm.pack_q_tiles(q.reshape(-1), 0, L, E, Qp, ntiles)
+    _gemm.pack_q_tiles(q.reshape(-1), 0, L, E, Qp, 0, ntiles)
     npan = (S + _gemm.PW - 1) // _gemm.PW
     Kp = np.zeros(npan * E * _gemm.PW, np.float32)
     for p in range(npan):
         _gemm.pack_k_panel(k.reshape(-1), 0, S, E, Kp, 0, p)
     Sb = np.zeros((ntiles * _gemm.MR, npan * _gemm.PW), np.float32)
-    _gemm.gemm_qk(Sb, npan * _gemm.PW, Qp, E, ntiles, Kp, 0, 0, npan)
+    _gemm.gemm_qk(Sb, npan * _gemm.PW, Qp, 0, E, ntiles, Kp, 0, 0, npan)
     return Sb[:L, :S]
 
 
@@ -88,3 +88,87 @@ def test_qk_tile_exact_enough(E):
     rel = (got - exact) / mag
     bound = 3.2e-8 if E <= 16 else 2.4e-8 if E < 64 else 2.0e-8   # E <= 16: a single chunk
     assert np.sqrt((rel ** 2).mean()) < bound
+
+
+# ----------------------------------------------------------------------------------------------
+# the forward and backward kernels with tiny blocks and key chunks: the multi-block paths
+# (online rescaling, band edges inside blocks, skipped blocks, chunk partials) at test sizes
+# ----------------------------------------------------------------------------------------------
+CASES = {
+    "plain": dict(),
+    "causal_L>S": dict(is_causal=True, L=45, S=30),
+    "causal_br": dict(is_causal=True, causal_alignment="bottom_right", L=20, S=61),
+    "window": dict(window=(9, 4), causal_alignment="bottom_right"),
+    "bool_mask": dict(mask="bool"),
+    "float_mask": dict(mask="float"),
+    "softcap": dict(softcap=2.0, scale_q=3.0),
+    "alibi": dict(alibi=True, is_causal=True),
+    "dropout": dict(dropout_p=0.4),
+    "empty_rows": dict(mask="rows"),
+    "nan_masked_kv": dict(mask="padding", nan_tail=True),
+}
+
+
+def _kernel_problem(rng, dtype, case):
+    from fastattn._inputs import make_problem
+
+    c = dict(CASES[case])
+    B, Hq, Hkv, E, Ev = 2, 6, 2, 24, 20
+    L, S = c.pop("L", 37), c.pop("S", 53)
+    q = rng.standard_normal((B, Hq, L, E)) * c.pop("scale_q", 1.0)
+    k, v = rng.standard_normal((B, Hkv, S, E)), rng.standard_normal((B, Hkv, S, Ev))
+    kw = dict(enable_gqa=True)
+    mask = c.pop("mask", None)
+    if mask == "bool":
+        kw["attn_mask"] = rng.random((B, 1, L, S)) > 0.4
+    elif mask == "float":
+        m = rng.standard_normal((1, Hq, L, S))
+        m[rng.random(m.shape) < 0.3] = -np.inf
+        kw["attn_mask"] = m
+    elif mask == "rows":
+        m = rng.random((B, Hq, L, S)) > 0.5
+        m[:, 1, 5:9] = False
+        kw["attn_mask"] = m
+    elif mask == "padding":
+        kw["attn_mask"] = np.arange(S)[None, None, None, :] < np.array([S - 20, 7])[:, None, None, None]
+    kb, vb = k.copy(), v.copy()        # what the kernel gets: NaN/Inf where always masked
+    if c.pop("nan_tail", False):
+        kb[0, :, S - 20:] = np.nan
+        vb[1, :, 7:] = np.inf
+    if c.pop("alibi", False):
+        kw["alibi_slopes"] = rng.random((B, Hq))
+    if c.get("dropout_p"):
+        kw["rng"] = 17
+    kw.update(c)
+    g = rng.standard_normal((B, Hq, L, Ev))
+    q, k, v, g, kb, vb = (a.astype(dtype) for a in (q, k, v, g, kb, vb))
+    return q, k, v, g, kw, make_problem(q, kb, vb, **kw)
+
+
+@pytest.mark.parametrize("blocks", [(7, 13, 3), (16, 64, 1), (128, 128, 2)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", list(CASES))
+def test_backward_kernel_blocks_and_chunks(case, dtype, blocks):
+    from helpers import assert_close_to_reference
+
+    from fastattn import reference
+    from fastattn._backends._kernel_args import forward_inputs
+    from fastattn._numba import backward as bwd
+
+    rng = np.random.default_rng(hash(case) % 1000)
+    q, k, v, g, kw, p = _kernel_problem(rng, dtype, case)
+    out, lse = reference.scaled_dot_product_attention(q, k, v, return_lse=True, dtype=dtype, **kw)
+    out, lse = out.astype(dtype), lse.astype(dtype)
+    bq, bk, nchunks = blocks
+    res = []
+    for _ in range(2):
+        dq, dk, dv = np.full_like(q, np.nan), np.full_like(k, np.nan), np.full_like(v, np.nan)
+        bwd.backward(*forward_inputs(p), g, out, lse, dq, dk, dv, 2, block_q=bq, block_k=bk,
+                     nchunks=nchunks)
+        res.append((dq, dk, dv))
+    for a, b in zip(*res):
+        assert np.array_equal(a, b, equal_nan=True)          # deterministic, bit for bit
+    want = reference.scaled_dot_product_attention_backward(g, q, k, v, **kw)
+    naive = reference.scaled_dot_product_attention_backward(g, q, k, v, dtype=dtype, **kw)
+    for name, a, r, n in zip(("dq", "dk", "dv"), res[0], want, naive):
+        assert_close_to_reference(a, r, n, dtype, name)

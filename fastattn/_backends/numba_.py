@@ -18,7 +18,8 @@ from ._kernel_args import forward_inputs, forward_outputs
 
 DECODE_MAX_ROWS = 16
 _KERNEL_MODULES = tuple("fastattn._numba." + m for m in (
-    "_intrinsics", "_exp", "_hash", "_blas", "_tiles", "_gemm", "forward", "decode", "softmax"))
+    "_intrinsics", "_exp", "_hash", "_blas", "_tiles", "_gemm", "_bwd_ops", "forward", "decode",
+    "softmax", "backward"))
 
 
 def _import_kernels():
@@ -30,7 +31,7 @@ def _import_kernels():
     if "NUMBA_THREADING_LAYER" not in os.environ:
         numba.config.THREADING_LAYER = "threadsafe"
     try:
-        from .._numba import decode, forward, softmax
+        from .._numba import backward, decode, forward, softmax
     except RuntimeError as exc:
         # cache=True in a read-only install with no writable cache location: numba refuses to
         # decorate ("cannot cache function ... no locator available"). Cache in a private
@@ -40,16 +41,16 @@ def _import_kernels():
         for name in _KERNEL_MODULES:
             sys.modules.pop(name, None)
         numba.config.CACHE_DIR = tempfile.mkdtemp(prefix="fastattn-numba-cache-")
-        from .._numba import decode, forward, softmax
-    return forward, decode, softmax
+        from .._numba import backward, decode, forward, softmax
+    return forward, decode, softmax, backward
 
 
 class NumbaBackend(Backend):
     name = "numba"
-    ops = ("forward", "softmax")
+    ops = ("forward", "backward", "softmax")
 
     def _load(self) -> None:
-        self._forward, self._decode, self._softmax = _import_kernels()
+        self._forward, self._decode, self._softmax, self._backward = _import_kernels()
 
     def not_supported_reasons(self, problem, op):
         reasons = super().not_supported_reasons(problem, op)
@@ -75,6 +76,14 @@ class NumbaBackend(Backend):
         _process.note_pool_used()
         kernel(*forward_inputs(p), out, lse, _config.num_threads())
         return out, lse
+
+    def backward(self, p, dout, out, lse):
+        """FlashAttention-2 backward (fastattn/_numba/backward.py); canonical (dq, dk, dv)."""
+        dq, dk, dv = np.empty_like(p.q), np.empty_like(p.k), np.empty_like(p.v)
+        _process.note_pool_used()
+        self._backward.backward(*forward_inputs(p), dout, out, lse, dq, dk, dv,
+                                _config.num_threads())
+        return dq, dk, dv
 
     def softmax_rows(self, x, keep):
         _process.note_pool_used()

@@ -66,6 +66,13 @@ def gemm_nn(M, N, K, A, a_off, lda, B, b_off, ldb, beta_arr, C, c_off, ldc, ab):
             _addr(A, a_off), lda, _addr(ab, beta_arr), _addr(C, c_off), ldc)
 
 
+@njit
+def gemm_tn(M, N, K, A, a_off, lda, B, b_off, ldb, beta_arr, C, c_off, ldc, ab):
+    """Row-major C[M,N] = A[K,M]^T . B[K,N] + beta*C (beta = ab[beta_arr])."""
+    _xxgemm(_kind(A), _N, _T, N, M, K, _addr(ab, 0), _addr(B, b_off), ldb,
+            _addr(A, a_off), lda, _addr(ab, beta_arr), _addr(C, c_off), ldc)
+
+
 @njit(cache=True)
 def _prime_blas(a, b, c):
     # First use of numba_xxgemm looks the BLAS pointer up under the GIL;

@@ -135,20 +135,27 @@ def _mk_typer(MR, NV, prefetch_a, kb, c, c_off, ldc, a, a_off, sa_r, sa_t, b, b_
                     builder.store(builder.call(fma, [asp, bv[v], builder.load(accs[r][v])]),
                                   accs[r][v])
 
-        if not kb:
-            # one chain over all of K, starting from C (beta=1) or zero: beta=0
-            # -> the masked load is all-false and yields zeros without touching
-            # C (so C may hold garbage/NaN)
+        if kb <= 0:
+            # one chain over all of K. kb == 0: the chain starts from C (beta=1)
+            # or zero; kb < 0 ("end-add"): it starts from zero and C is added
+            # once at the end, so repeated calls accumulating into C sum their
+            # K-ranges as separate blocks (shorter rounding chains, ~1 add per
+            # accumulator per call). beta=0 -> the masked load is all-false and
+            # yields zeros without touching C (so C may hold garbage/NaN).
             for r in range(MR):
                 for v in range(NV):
-                    builder.store(builder.call(mload, [cptr(r, v), align,
-                                                       builder.and_(masks[v], bmask), zero]),
-                                  accs[r][v])
+                    init = zero if kb < 0 else builder.call(
+                        mload, [cptr(r, v), align, builder.and_(masks[v], bmask), zero])
+                    builder.store(init, accs[r][v])
             with cgutils.for_range(builder, K_) as loop:
                 kstep(loop.index)
             for r in range(MR):
                 for v in range(NV):
-                    builder.call(mstore, [builder.load(accs[r][v]), cptr(r, v), align, masks[v]])
+                    res = builder.load(accs[r][v])
+                    if kb < 0:
+                        old = builder.call(mload, [cptr(r, v), align, builder.and_(masks[v], bmask), zero])
+                        res = builder.fadd(res, old)
+                    builder.call(mstore, [res, cptr(r, v), align, masks[v]])
         elif MR * NV <= 12:
             # blocked summation with the running totals in registers too
             tots = [[cgutils.alloca_once(builder, vty) for _ in range(NV)] for _ in range(MR)]
@@ -258,9 +265,9 @@ def pack_k_panel(kf, koff, S, E, Kp, poff, p):
 
 
 @njit
-def pack_q_tiles(qf, qoff, nq, E, Qp, ntiles):
+def pack_q_tiles(qf, qoff, nq, E, Qp, poff, ntiles):
     """Q rows -> micro-tiles of MR rows, k-major inside a tile:
-    Qp[(tile*E + t)*MR + r] = Q[tile*MR + r, t] (zero rows past nq),
+    Qp[poff + (tile*E + t)*MR + r] = Q[tile*MR + r, t] (zero rows past nq),
     so the kernel's MR broadcasts per k-step are adjacent in memory.
     Writes are sequential and the MR source rows are read in parallel (the
     other loop order, stride-MR writes, cost ~2 ns per element)."""
@@ -268,7 +275,7 @@ def pack_q_tiles(qf, qoff, nq, E, Qp, ntiles):
     for it in range(ntiles):
         r_n = min(MR, nq - it * MR)
         src = qoff + it * MR * E
-        dst = it * E * MR
+        dst = poff + it * E * MR
         if r_n == MR:
             for t in range(E):
                 for r in range(MR):
@@ -280,15 +287,16 @@ def pack_q_tiles(qf, qoff, nq, E, Qp, ntiles):
 
 
 @njit
-def gemm_qk(Sb, Bk, Qp, E, ntiles, Kp, kpoff, p0, p1):
+def gemm_qk(Sb, Bk, Qp, qoff, E, ntiles, Kp, kpoff, p0, p1):
     """Sb[:ntiles*MR, (p-p0)*PW...] = Q . K^T for key panels p0..p1-1
-    (panel p starts at Kp[kpoff + p*E*PW]). Panel-outer: one 16 KiB K panel
-    stays in L1 while the packed Q tiles stream through in order."""
+    (panel p starts at Kp[kpoff + p*E*PW]; the packed Q tiles at Qp[qoff]).
+    Panel-outer: one 16 KiB K panel stays in L1 while the packed Q tiles
+    stream through in order."""
     for p in range(p0, p1):
         for c in range(0, PW, QW):
             col = (p - p0) * PW + c
             for it in range(ntiles):
-                microkernel_qk(Sb, it * MR * Bk + col, Bk, Qp, it * E * MR, 1, MR,
+                microkernel_qk(Sb, it * MR * Bk + col, Bk, Qp, qoff + it * E * MR, 1, MR,
                                Kp, kpoff + p * E * PW + c, PW, E, QW, False)
 
 
@@ -305,6 +313,36 @@ def gemm_pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, ntiles):
             for it in range(ntiles):
                 microkernel_f32(acc, it * MR * Evld + c0, Evld, Pb, it * MR * Bk + k0, Bk, 1,
                                 vf, voff + k0 * Ev + c0, Ev, kc, nc, True)
+
+
+# backward products accumulated over many tiles: end-add chains (see kb < 0)
+mk_acc = _make_microkernel(MR, NV, kb=-1)
+
+
+@njit
+def gemm_acc_nn(C, coff, ldc, nrt, A, aoff, lda, B, boff, ldb, K, N):
+    """C[:nrt*MR, :N] += A[:nrt*MR, :K] . B[:K, :N] (row-major, strided rows).
+    Used for dQ += dS . K; K is chunked by KC so a B chunk stays in L1."""
+    for k0 in range(0, K, KC):
+        kc = min(KC, K - k0)
+        for c0 in range(0, N, PW):
+            for it in range(nrt):
+                mk_acc(C, coff + it * MR * ldc + c0, ldc, A, aoff + it * MR * lda + k0, lda, 1,
+                       B, boff + k0 * ldb + c0, ldb, kc, min(PW, N - c0), True)
+
+
+@njit
+def gemm_acc_tn(C, coff, ldc, nrt, A, aoff, lda, B, boff, ldb, K, N):
+    """C[:nrt*MR, :N] += A[:K, :nrt*MR]^T . B[:K, :N]: A is a row-major tile
+    read down its columns (dV += P^T dO, dK += dS^T Q); each k-step reads MR
+    adjacent elements of one A row. A must have readable memory for
+    nrt*MR columns (pad rows of C get garbage and are never used)."""
+    for k0 in range(0, K, KC):
+        kc = min(KC, K - k0)
+        for c0 in range(0, N, PW):
+            for it in range(nrt):
+                mk_acc(C, coff + it * MR * ldc + c0, ldc, A, aoff + k0 * lda + it * MR, 1, lda,
+                       B, boff + k0 * ldb + c0, ldb, kc, min(PW, N - c0), True)
 
 
 @njit(fastmath={'contract'})   # FMA in the scalar tail, like the kernels

@@ -45,13 +45,14 @@ def mask_strides(m, B, H, L, S):
 @njit(fastmath=FM)
 def tile_pipeline(S, r0, r1, n, j0, pos0, to_nat, scale, use_cap, softcap,
                   has_alibi, slope, mask_kind, mbf, mff, mbase, sL, sS, mstat,
-                  band_partial, win_left, win_right):
+                  band_partial, win_left, win_right, Gc, save_grad):
     """docs/KERNELS.md score pipeline on rows r0..r1-1 of a tile of raw
     products, in order: scale (only when to_nat), softcap, ALiBi, float mask,
     bool mask, band. Row r sits at position pos0 + (r - r0) and reads mask
     entries at mbase + (r - r0)*sL + j*sS. Each step is a separate vectorized
     loop; steps the block does not need are skipped. Replacement (not
-    addition) of -inf keeps NaN scores of masked keys out."""
+    addition) of -inf keeps NaN scores of masked keys out. With save_grad
+    (backward), softcap's derivative 1 - tanh**2 goes to Gc[r, j]."""
     wide_vectors()
     ninf = fcast(S, -np.inf)
     sc = fcast(S, scale)
@@ -61,7 +62,12 @@ def tile_pipeline(S, r0, r1, n, j0, pos0, to_nat, scale, use_cap, softcap,
     for r in range(r0, r1):
         d = r - r0
         pos = pos0 + d
-        if use_cap:
+        if use_cap and save_grad:
+            for j in range(n):
+                th = tanhv((S[r, j] * sc) / cap)
+                S[r, j] = cap * th
+                Gc[r, j] = fcast(S, 1.0) - th * th
+        elif use_cap:
             for j in range(n):
                 S[r, j] = cap * tanhv((S[r, j] * sc) / cap)
         elif to_nat:
@@ -183,6 +189,43 @@ def tile_dropout(P, r0, r1, n, seed, bh, i0, j0, thresh):
         for j in range(n):
             if dropout_bits(rk, j0 + j) < thresh:
                 P[r, j] = zero
+
+
+@njit(fastmath=FM)
+def tile_grad(S, Z, Gc, nq, n, c, lse2, Dd, roff, use_cap, do_drop, seed, bh,
+              i0, j0, thresh, inv_keep):
+    """Backward tile pass (docs/KERNELS.md): S holds the scores as tile_online
+    reads them (log2-unit score = S * c) and becomes dS; Z holds dO . V^T and
+    becomes the weights after dropout, Pd. Row r is query i0 + r, with
+    lse2 = lse in the same log2 units and D at lse2/Dd[roff + r]:
+        P = 2**(S*c - lse2), Pd = P*keep/(1-p),
+        dS = P*(Z*keep/(1-p) - D) (* Gc = 1 - tanh**2 with softcap),
+    without the final factor scale (applied to dq/dk at the end). dS = 0
+    wherever P = 0: a NaN/Inf of a masked V reaches Z, and 0*NaN = NaN."""
+    wide_vectors()
+    zero = fcast(S, 0.0)
+    cc = fcast(S, c)
+    ik = fcast(S, inv_keep)
+    for r in range(nq):
+        l2 = lse2[roff + r]
+        d = Dd[roff + r]
+        if do_drop:
+            rk = dropout_row_key(seed, bh, i0 + r)
+            for j in range(n):
+                p = exp2v(S[r, j] * cc - l2)
+                ks = ik if dropout_bits(rk, j0 + j) >= thresh else zero
+                ds = p * (Z[r, j] * ks - d)
+                S[r, j] = ds if p != zero else zero
+                Z[r, j] = p * ks
+        else:
+            for j in range(n):
+                p = exp2v(S[r, j] * cc - l2)
+                ds = p * (Z[r, j] - d)
+                S[r, j] = ds if p != zero else zero
+                Z[r, j] = p
+        if use_cap:
+            for j in range(n):
+                S[r, j] = S[r, j] * Gc[r, j]
 
 
 @njit

@@ -168,7 +168,7 @@ def _decode_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool,
                                       use_cap, softcap, has_alibi, slope, mask_kind,
                                       mbf, mff, b * sB + h * sH + j0 * sS, sL,
                                       sS, mstat, band_partial, win_left,
-                                      win_right)
+                                      win_right, Sb, False)
                 tile_online(Sb, Pb, 0, R, n, m, lsum, acc, Ev, c_exp)
                 if do_drop:
                     for hh in range(g):

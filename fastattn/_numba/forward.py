@@ -59,7 +59,7 @@ def _packed_ol(arr):
 def _prep_q_ol(qf, qoff, nq, E, Qp, ntiles):
     if qf.dtype == types.float32:
         def impl(qf, qoff, nq, E, Qp, ntiles):
-            pack_q_tiles(qf, qoff, nq, E, Qp, ntiles)
+            pack_q_tiles(qf, qoff, nq, E, Qp, 0, ntiles)
     else:
         def impl(qf, qoff, nq, E, Qp, ntiles):
             pass      # BLAS reads the Q rows in place
@@ -70,7 +70,7 @@ def _prep_q_ol(qf, qoff, nq, E, Qp, ntiles):
 def _qk_ol(Sb, Bk, qf, qoff, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab):
     if Sb.dtype == types.float32:
         def impl(Sb, Bk, qf, qoff, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab):
-            gemm_qk(Sb, Bk, Qp, E, ntiles, Kp, kpoff, j0 // PW, (j0 + n + PW - 1) // PW)
+            gemm_qk(Sb, Bk, Qp, 0, E, ntiles, Kp, kpoff, j0 // PW, (j0 + n + PW - 1) // PW)
     else:
         def impl(Sb, Bk, qf, qoff, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab):
             gemm_nt(nq, n, E, qf, qoff, Eld, kf, kbase + j0 * E, Eld, 1, Sb, 0, Bk, ab)
@@ -236,7 +236,7 @@ def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
             tile_pipeline(Sb, 0, nq, n, j0, pos_first, to_nat, scale, use_cap,
                           softcap, has_alibi, slope, mask_kind, mbf, mff,
                           mbase + j0 * sS, sL, sS, mstat, band_partial,
-                          win_left, win_right)
+                          win_left, win_right, Sb, False)
         tile_online(Sb, Pb, 0, nq, n, m, lsum, acc, Ev, c_exp)
         if do_drop:
             tile_dropout(Pb, 0, nq, n, seed, bh, i0, j0, thresh)

@@ -1,0 +1,321 @@
+"""FlashAttention-2 backward kernel (Numba), docs/KERNELS.md.
+
+Work items are (batch, kv head, key chunk). An item owns its keys: for each
+key block it walks every query head of the KV group and every query block
+the causal/window band lets in, recomputes the scores, P = exp(s - lse) from
+the forward's lse, Z = dO . V^T, and accumulates dV += Pd^T dO, dK += dS^T Q
+(both in the item's registers/cache, so dk/dv are complete when the key block
+ends: GQA's sum over the group needs no second pass) and dQ += dS . K into
+a dq accumulator of the item's own. Nothing is shared between items except
+the read-only inputs, so the result does not depend on thread timing: no
+atomics, and every sum runs in a fixed order.
+
+Keys are split into chunks only when batch*kv_heads cannot keep the threads
+busy (as decode does); then each chunk leaves a dq partial and a last pass
+adds the partials in chunk order. Memory: per worker the packed Q/dO of one
+KV group and one dq accumulator (O(L*d)), plus small tiles.
+
+float32 uses the register-blocked kernels of _gemm.py, float64 BLAS.
+"""
+import threading
+
+import numpy as np
+from numba import njit, prange
+
+from ._blas import blas_single_thread, numba_threads, prime_blas
+from ._bwd_ops import b_nn, b_pack_a, b_pack_b, b_qk, b_tn, dq_nonfinite
+from ._gemm import MR, PW
+from ._hash import dropout_threshold_nb
+from ._intrinsics import FM, atomic_next, fcast, wide_vectors
+from ._tiles import (
+    block_all_finite, block_status_bool, block_status_float, mask_strides, score_units, tile_grad,
+    tile_pipeline)
+
+
+@njit(cache=True, fastmath=FM, nogil=True)
+def _rows_prologue(r0, r1, dout, out, lse, kappa, Dd, lse2):
+    """D = rowsum(dO * O) (float64 sums) and lse in tile_grad's log2 units
+    (lse / kappa, kappa as the forward's finalize used it; +inf for rows with
+    lse = -inf, so their P = 2**(-inf) = 0)."""
+    Ev = dout.shape[3]
+    df = dout.reshape(-1)
+    of = out.reshape(-1)
+    lf = lse.reshape(-1)
+    for r in range(r0, r1):
+        acc = 0.0
+        for t in range(Ev):
+            acc += np.float64(df[r * Ev + t]) * np.float64(of[r * Ev + t])
+        Dd[r] = acc
+        x = lf[r]
+        lse2[r] = np.inf if x == -np.inf else np.float64(x) / kappa
+
+
+@njit(cache=True, fastmath=FM, nogil=True)
+def _backward_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
+                   alibi, scale, softcap, q_offset, win_left, win_right, dropout_p, seed,
+                   dout, lse2, Dd, dq, dk, dv, Bq, Bk, dqp, Qa, Da, Kb, Vb, Ws, Wz, Wg,
+                   Wdk, Wdv, Wdq, Vs):
+    wide_vectors()
+    B, Hq, L, E = q.shape
+    Hkv = k.shape[1]
+    S = k.shape[2]
+    Ev = v.shape[3]
+    g = Hq // Hkv
+    Eld = max(E, 1)
+    Evld = max(Ev, 1)
+    TB = Ws.shape[1]
+    nqb = (L + Bq - 1) // Bq
+    Bqp = ((Bq + MR - 1) // MR) * MR          # row stride of a query block in Qa/Da/dq acc
+    Lp = nqb * Bqp
+    qf = q.reshape(-1)
+    kf = k.reshape(-1)
+    vf = v.reshape(-1)
+    dof = dout.reshape(-1)
+    mbf = mask_bool.reshape(-1)
+    mff = mask_float.reshape(-1)
+    if mask_kind == 1:
+        sB, sH, sL, sS = mask_strides(mask_bool, B, Hq, L, S)
+    else:
+        sB, sH, sL, sS = mask_strides(mask_float, B, Hq, L, S)
+    Ba = alibi.shape[0]
+    use_cap = softcap > 0.0
+    to_nat, c_exp, kappa = score_units(q, scale, softcap, has_alibi, mask_kind)
+    do_drop = dropout_p > 0.0
+    thresh = dropout_threshold_nb(dropout_p)
+    inv_keep = 1.0 / (1.0 - dropout_p)
+    always_rows = use_cap or has_alibi
+    zero = fcast(q, 0.0)
+    sc = fcast(q, scale)
+    ab = np.empty(2, q.dtype)                 # BLAS alpha/beta: ab[0] = 1, ab[1] = 0
+    ab[0] = fcast(q, 1.0)
+    ab[1] = zero
+
+    bk = it // nchunks
+    c = it - bk * nchunks
+    b = bk // Hkv
+    hk = bk - b * Hkv
+    s_lo = c * csize
+    s_hi = min(S, s_lo + csize)
+    kbase = (b * Hkv + hk) * S * E
+    vbase = (b * Hkv + hk) * S * Ev
+    # dq accumulator: the worker's own (one chunk) or this item's partial
+    dqa = Wdq if nchunks == 1 else dqp[it]
+    # query rows any key of the chunk can see: pos_i - win_left <= j <= pos_i + win_right
+    i_lo = max(0, s_lo - win_right - q_offset)
+    i_hi = min(L, s_hi - 1 + win_left - q_offset + 1)
+    qb_lo = i_lo // Bq
+    qb_hi = (i_hi + Bq - 1) // Bq if i_hi > i_lo else qb_lo
+    for x in range(g * Lp * Eld):
+        dqa[x] = zero                         # rows no key of the chunk sees stay 0
+    for hh in range(g):
+        h = hk * g + hh
+        for qb in range(qb_lo, qb_hi):
+            i0 = qb * Bq
+            nq = min(Bq, L - i0)
+            rowoff = (b * Hq + h) * L + i0
+            b_pack_a(qf, rowoff * E, nq, E, Qa, (hh * Lp + qb * Bqp) * Eld)
+            b_pack_a(dof, rowoff * Ev, nq, Ev, Da, (hh * Lp + qb * Bqp) * Evld)
+
+    for j0 in range(s_lo, s_hi, Bk):
+        n = min(Bk, s_hi - j0)
+        nrt = (n + MR - 1) // MR
+        for x in range(nrt * MR * Eld):
+            Wdk[x] = zero
+        for x in range(nrt * MR * Evld):
+            Wdv[x] = zero
+        b_pack_b(kf, kbase + j0 * E, n, E, Kb)
+        b_pack_b(vf, vbase + j0 * Ev, n, Ev, Vb)
+        kfin = block_all_finite(kf, kbase + j0 * E, n * E)
+        for hh in range(g):
+            h = hk * g + hh
+            bh = b * Hq + h
+            slope = fcast(q, alibi[b if Ba > 1 else 0, h]) if has_alibi else zero
+            for qb in range(qb_lo, qb_hi):
+                i0 = qb * Bq
+                nq = min(Bq, L - i0)
+                ntq = (nq + MR - 1) // MR
+                pos_first = i0 + q_offset
+                pos_last = i0 + nq - 1 + q_offset
+                if j0 + n - 1 < pos_first - win_left or j0 > pos_last + win_right:
+                    continue                  # tile outside the band
+                mbase = b * sB + h * sH + i0 * sL + j0 * sS
+                mstat = 1
+                if mask_kind == 1:
+                    mstat = block_status_bool(mbf, mbase, sL, sS, nq, n)
+                elif mask_kind == 2:
+                    mstat = block_status_float(mff, mbase, sL, sS, nq, n)
+                if mstat == 0:
+                    continue                  # every (query, key) of the tile masked
+                band_partial = (j0 < pos_last - win_left) or (j0 + n - 1 > pos_first + win_right)
+                rowoff = bh * L + i0
+                aoff = (hh * Lp + qb * Bqp)
+                b_qk(Ws, TB, Qa, aoff * Eld, qf, rowoff * E, E, ntq, nq, Kb, kf, kbase + j0 * E, n, ab)
+                if always_rows or band_partial or mstat == 2:
+                    tile_pipeline(Ws, 0, nq, n, j0, pos_first, to_nat, scale, use_cap, softcap,
+                                  has_alibi, slope, mask_kind, mbf, mff, mbase, sL, sS, mstat,
+                                  band_partial, win_left, win_right, Wg, True)
+                b_qk(Wz, TB, Da, aoff * Evld, dof, rowoff * Ev, Ev, ntq, nq, Vb, vf,
+                     vbase + j0 * Ev, n, ab)
+                tile_grad(Ws, Wz, Wg, nq, n, c_exp, lse2, Dd, rowoff, use_cap, do_drop, seed,
+                          bh, i0, j0, thresh, inv_keep)
+                b_tn(Wdv, Evld, nrt, n, Wz, TB, dof, rowoff * Ev, Ev, nq, Ev, ab)
+                b_tn(Wdk, Eld, nrt, n, Ws, TB, qf, rowoff * E, E, nq, E, ab)
+                if kfin:
+                    b_nn(dqa, aoff * Eld, Eld, ntq, nq, Ws, TB, kf, kbase + j0 * E, E, n, E, ab)
+                else:
+                    dq_nonfinite(dqa, aoff * Eld, Eld, nq, Ws, n, kf, kbase + j0 * E, E, Vs, ab)
+        # this item owns keys j0..j0+n-1: dk, dv are final (zero if no query saw them)
+        for r in range(n):
+            for t in range(E):
+                dk[kbase + (j0 + r) * E + t] = Wdk[r * Eld + t] * sc
+            for t in range(Ev):
+                dv[vbase + (j0 + r) * Ev + t] = Wdv[r * Evld + t]
+
+    if nchunks == 1:
+        _write_dq(dqa, dq, b, hk, g, L, E, Bq, Lp, sc)
+
+
+@njit(fastmath=FM)
+def _write_dq(dqa, dq, b, hk, g, L, E, Bq, Lp, sc):
+    """dq rows of the group's heads = scale * accumulator (block-padded rows)."""
+    Hq = dq.shape[1]
+    Bqp = ((Bq + MR - 1) // MR) * MR
+    Eld = max(E, 1)
+    dqf = dq.reshape(-1)
+    for hh in range(g):
+        base = ((b * Hq + hk * g + hh) * L) * E
+        for i in range(L):
+            qb = i // Bq
+            src = (hh * Lp + qb * Bqp + (i - qb * Bq)) * Eld
+            for t in range(E):
+                dqf[base + i * E + t] = dqa[src + t] * sc
+
+
+@njit(fastmath=FM)
+def _merge_dq(bk, nchunks, dqp, dq, Hkv, g, L, E, Bq, Lp, sc, tmp):
+    """Chunked keys: dq = scale * sum of the chunks' partials, in chunk order."""
+    b = bk // Hkv
+    hk = bk - b * Hkv
+    n = tmp.shape[0]
+    for x in range(n):
+        tmp[x] = dqp[bk * nchunks, x]
+    for c in range(1, nchunks):
+        for x in range(n):
+            tmp[x] += dqp[bk * nchunks + c, x]
+    _write_dq(tmp, dq, b, hk, g, L, E, Bq, Lp, sc)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _backward_kernel(q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi, scale,
+                     softcap, q_offset, win_left, win_right, dropout_p, seed, dout, out, lse,
+                     dq, dk, dv, Bq, Bk, csize, nch, nthreads, dqp, Dd, lse2,
+                     wQ, wD, wK, wV, wS, wZ, wG, wdk, wdv, wdq, wVs):
+    B, Hq, L, E = q.shape
+    Hkv = k.shape[1]
+    g = Hq // Hkv
+    kappa = score_units(q, scale, softcap, has_alibi, mask_kind)[2]
+    R = B * Hq * L
+    nr = min(R, 4 * nthreads)
+    per = (R + nr - 1) // nr
+    for x in prange(nr):
+        _rows_prologue(x * per, min(R, x * per + per), dout, out, lse, kappa, Dd, lse2)
+    n_items = B * Hkv * nch
+    dkf = dk.reshape(-1)
+    dvf = dv.reshape(-1)
+    # one prange iteration per worker; workers claim items from an atomic
+    # counter (the item -> result mapping is fixed, so timing cannot change bits)
+    counter = np.zeros(1, np.int64)
+    for w in prange(min(nthreads, n_items)):
+        while True:
+            it = atomic_next(counter)
+            if it >= n_items:
+                break
+            _backward_item(it, nch, csize, q, k, v, mask_kind, mask_bool, mask_float,
+                           has_alibi, alibi, scale, softcap, q_offset, win_left, win_right,
+                           dropout_p, seed, dout, lse2, Dd, dq, dkf, dvf, Bq, Bk, dqp,
+                           wQ[w], wD[w], wK[w], wV[w], wS[w], wZ[w], wG[w], wdk[w], wdv[w],
+                           wdq[w], wVs[w])
+    if nch > 1:
+        nqb = (L + Bq - 1) // Bq
+        Lp = nqb * (((Bq + MR - 1) // MR) * MR)
+        for x in prange(B * Hkv):
+            tmp = np.empty(dqp.shape[1], q.dtype)
+            _merge_dq(x, nch, dqp, dq, Hkv, g, L, E, Bq, Lp, fcast(q, scale), tmp)
+
+
+def backward_chunks(B, Hkv, S, n_threads, Bk):
+    """Key chunks per (batch, kv head): split only when batch*kv_heads alone
+    cannot keep every thread busy (as decode_chunks)."""
+    bh = max(B * Hkv, 1)
+    if bh >= n_threads and bh % n_threads == 0:
+        return 1
+    want = -(-2 * n_threads // bh) if bh < 2 * n_threads else 1
+    return max(1, min(want, -(-S // Bk)))
+
+
+_ws = threading.local()
+
+
+def workspace(dtype, T, g, L, E, Ev, Bq, Bk, softcap, n_items, nchunks):
+    """Per-worker scratch (cached per Python thread, latest shape only, like
+    the forward's): packed Q and dO of a KV group, K/V panels of a key block,
+    the score/dS and Z/Pd tiles, the dk/dv/dq accumulators."""
+    Eld, Evld = max(E, 1), max(Ev, 1)
+    Bqp = -(-Bq // MR) * MR
+    Bkp = -(-Bk // MR) * MR
+    TB = max(-(-Bk // PW) * PW, Bkp)
+    Lp = -(-L // Bq) * Bqp
+    dqn = g * Lp * Eld
+    key = (np.dtype(dtype).str, T, g, L, E, Ev, Bq, Bk, softcap > 0, n_items, nchunks)
+    cached = getattr(_ws, 'arrays', None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    npan = -(-Bk // PW)
+    arrs = (np.empty((T, g * Lp * Eld), dtype),                 # packed Q blocks
+            np.empty((T, g * Lp * Evld), dtype),                # packed dO blocks
+            np.empty((T, max(npan * PW, Bkp) * Eld), dtype),    # K panels of a key block
+            np.empty((T, max(npan * PW, Bkp) * Evld), dtype),   # V panels
+            np.empty((T, Bqp, TB), dtype),                      # S -> dS
+            np.empty((T, Bqp, TB), dtype),                      # Z -> Pd
+            np.empty((T, Bqp, TB) if softcap > 0 else (T, 1, 1), dtype),  # 1 - tanh^2
+            np.empty((T, Bkp * Eld), dtype),                    # dk accumulator
+            np.empty((T, Bkp * Evld), dtype),                   # dv accumulator
+            np.empty((T, dqn if nchunks == 1 else 1), dtype),   # dq accumulator
+            np.empty((T, Bk, Eld), dtype))                      # non-finite K slow path
+    dqp = np.empty((n_items if nchunks > 1 else 1, dqn if nchunks > 1 else 1), dtype)
+    res = (dqp,) + arrs
+    # keep small workspaces only: a 16k-token head's is ~10 MB per worker
+    _ws.arrays = (key, res) if sum(a.nbytes for a in res) <= (64 << 20) else None
+    return res
+
+
+def backward(q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi, scale, softcap,
+             q_offset, win_left, win_right, dropout_p, seed, dout, out, lse, dq, dk, dv,
+             n_threads, block_q=None, block_k=None, nchunks=None):
+    """docs/KERNELS.md backward; block_q/block_k/nchunks override the defaults (tests, bench)."""
+    B, Hq, L, E = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    Ev = v.shape[3]
+    if B * Hq * L == 0 or S == 0:
+        dq[...] = 0
+        dk[...] = 0
+        dv[...] = 0
+        return
+    prime_blas()
+    Bq = int(block_q) if block_q is not None else 128
+    Bk = int(block_k) if block_k is not None else 128
+    g = Hq // Hkv
+    with blas_single_thread, numba_threads(n_threads) as T:
+        nc = int(nchunks) if nchunks is not None else backward_chunks(B, Hkv, S, T, Bk)
+        # chunk length: a multiple of Bk, so only a chunk's last block is short
+        csize = -(-(-(-S // max(nc, 1))) // Bk) * Bk
+        nc = -(-S // csize)
+        n_items = B * Hkv * nc
+        T = max(1, min(T, n_items))
+        ws = workspace(q.dtype, T, g, L, E, Ev, Bq, Bk, softcap, n_items, nc)
+        Dd = np.empty(B * Hq * L, q.dtype)
+        lse2 = np.empty(B * Hq * L, q.dtype)
+        _backward_kernel(q, k, v, int(mask_kind), mask_bool, mask_float, bool(has_alibi), alibi,
+                         float(scale), float(softcap), int(q_offset), int(win_left),
+                         int(win_right), float(dropout_p), int(seed), dout, out, lse, dq, dk, dv,
+                         Bq, Bk, csize, nc, T, ws[0], Dd, lse2, *ws[1:])
