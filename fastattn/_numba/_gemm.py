@@ -22,6 +22,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ._intrinsics import no_inline
+
 _FEATURES = llb.get_host_cpu_features()
 HAVE_AVX512 = bool(_FEATURES.get('avx512f', False))
 W = 16 if HAVE_AVX512 else 8      # float32 lanes per vector register
@@ -292,6 +294,7 @@ def gemm_qk(Sb, Bk, Qp, qoff, E, ntiles, Kp, kpoff, p0, p1):
     (panel p starts at Kp[kpoff + p*E*PW]; the packed Q tiles at Qp[qoff]).
     Panel-outer: one 16 KiB K panel stays in L1 while the packed Q tiles
     stream through in order."""
+    no_inline()
     for p in range(p0, p1):
         for c in range(0, PW, QW):
             col = (p - p0) * PW + c
@@ -323,6 +326,7 @@ mk_acc = _make_microkernel(MR, NV, kb=-1)
 def gemm_acc_nn(C, coff, ldc, nrt, A, aoff, lda, B, boff, ldb, K, N):
     """C[:nrt*MR, :N] += A[:nrt*MR, :K] . B[:K, :N] (row-major, strided rows).
     Used for dQ += dS . K; K is chunked by KC so a B chunk stays in L1."""
+    no_inline()
     for k0 in range(0, K, KC):
         kc = min(KC, K - k0)
         for c0 in range(0, N, PW):
@@ -337,6 +341,7 @@ def gemm_acc_tn(C, coff, ldc, nrt, A, aoff, lda, B, boff, ldb, K, N):
     read down its columns (dV += P^T dO, dK += dS^T Q); each k-step reads MR
     adjacent elements of one A row. A must have readable memory for
     nrt*MR columns (pad rows of C get garbage and are never used)."""
+    no_inline()
     for k0 in range(0, K, KC):
         kc = min(KC, K - k0)
         for c0 in range(0, N, PW):
