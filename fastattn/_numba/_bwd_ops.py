@@ -30,7 +30,11 @@ def b_qk(Sb, ld, Ap, apoff, af, aoff, D, ntiles, nq, Bp, bf, boff, n, ab):  # pr
     raise NotImplementedError
 
 
-def b_tn(C, ldc, nrt, n, A, lda, Bf, boff, ldb, K, N, ab):  # pragma: no cover
+def b_pack_rows(af, aoff, nq, D, Dp, Ar, roff):  # pragma: no cover
+    raise NotImplementedError
+
+
+def b_tn(C, ldc, nrt, M, Ar, aroff, ldar, af, aoff, lda, B, ldb, K, N, ab):  # pragma: no cover
     raise NotImplementedError
 
 
@@ -69,6 +73,25 @@ def _b_pack_b_ol(bf, boff, n, D, Bp):
     return impl
 
 
+@overload(b_pack_rows)
+def _b_pack_rows_ol(af, aoff, nq, D, Dp, Ar, roff):
+    """nq rows at af[aoff] (D wide) -> rows of Dp (a multiple of MR, zero
+    padded) at Ar[roff]: the A operand of b_tn, whose MR-row micro-tiles
+    read whole padded rows (never past the data)."""
+    if af.dtype == types.float32:
+        def impl(af, aoff, nq, D, Dp, Ar, roff):
+            zero = np.float32(0.0)
+            for r in range(nq):
+                for t in range(D):
+                    Ar[roff + r * Dp + t] = af[aoff + r * D + t]
+                for t in range(D, Dp):
+                    Ar[roff + r * Dp + t] = zero
+    else:
+        def impl(af, aoff, nq, D, Dp, Ar, roff):
+            pass
+    return impl
+
+
 @overload(b_qk)
 def _b_qk_ol(Sb, ld, Ap, apoff, af, aoff, D, ntiles, nq, Bp, bf, boff, n, ab):
     """Sb[:nq, :n] = A . B^T over D (S = Q K^T, Z = dO V^T); float32 writes
@@ -83,14 +106,18 @@ def _b_qk_ol(Sb, ld, Ap, apoff, af, aoff, D, ntiles, nq, Bp, bf, boff, n, ab):
 
 
 @overload(b_tn)
-def _b_tn_ol(C, ldc, nrt, n, A, lda, Bf, boff, ldb, K, N, ab):
-    """C[:n, :N] += A[:K, :n]^T . B[:K, :N] (dV += Pd^T dO, dK += dS^T Q)."""
+def _b_tn_ol(C, ldc, nrt, M, Ar, aroff, ldar, af, aoff, lda, B, ldb, K, N, ab):
+    """C[:M, :N] += A[:K, :M]^T . B[:K, :N]: dV^T += dO^T Pd, dK^T += Q^T dS,
+    with the (K x N) tile B read row by row, as tile_grad wrote it. (The
+    other orientation, dV += Pd^T dO, read the tile down its columns and ran
+    2-3x slower than the other products right after tile_grad.) float32 reads
+    A from the padded rows Ar (see b_pack_rows), float64 from af itself."""
     if C.dtype == types.float32:
-        def impl(C, ldc, nrt, n, A, lda, Bf, boff, ldb, K, N, ab):
-            gemm_acc_tn(C, 0, ldc, nrt, A, 0, lda, Bf, boff, ldb, K, N)
+        def impl(C, ldc, nrt, M, Ar, aroff, ldar, af, aoff, lda, B, ldb, K, N, ab):
+            gemm_acc_tn(C, 0, ldc, nrt, Ar, aroff, ldar, B, 0, ldb, K, N)
     else:
-        def impl(C, ldc, nrt, n, A, lda, Bf, boff, ldb, K, N, ab):
-            gemm_tn(n, N, K, A, 0, lda, Bf, boff, ldb, 0, C, 0, ldc, ab)
+        def impl(C, ldc, nrt, M, Ar, aroff, ldar, af, aoff, lda, B, ldb, K, N, ab):
+            gemm_tn(M, N, K, af, aoff, lda, B, 0, ldb, 0, C, 0, ldc, ab)
     return impl
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._blas import blas_single_thread, numba_threads, prime_blas
-from ._bwd_ops import b_nn, b_pack_a, b_pack_b, b_qk, b_tn, dq_nonfinite
+from ._bwd_ops import b_nn, b_pack_a, b_pack_b, b_pack_rows, b_qk, b_tn, dq_nonfinite
 from ._gemm import MR, PW
 from ._hash import dropout_threshold_nb
 from ._intrinsics import FM, atomic_next, fcast, wide_vectors
@@ -53,8 +53,8 @@ def _rows_prologue(r0, r1, dout, out, lse, kappa, Dd, lse2):
 @njit(cache=True, fastmath=FM, nogil=True)
 def _backward_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
                    alibi, scale, softcap, q_offset, win_left, win_right, dropout_p, seed,
-                   dout, lse2, Dd, dq, dk, dv, Bq, Bk, dqp, Qa, Da, Kb, Vb, Ws, Wz, Wg,
-                   Wdk, Wdv, Wdq, Vs):
+                   dout, lse2, Dd, dq, dk, dv, Bq, Bk, dqp, Qa, Da, Qr, Dr, Kb, Vb, Ws, Wz,
+                   Wg, Wdk, Wdv, Wdq, Vs):
     wide_vectors()
     B, Hq, L, E = q.shape
     Hkv = k.shape[1]
@@ -63,6 +63,8 @@ def _backward_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool, mask_float
     g = Hq // Hkv
     Eld = max(E, 1)
     Evld = max(Ev, 1)
+    Ep = ((E + MR - 1) // MR) * MR            # padded row lengths of Qr, Dr
+    Evp = ((Ev + MR - 1) // MR) * MR
     TB = Ws.shape[1]
     nqb = (L + Bq - 1) // Bq
     Bqp = ((Bq + MR - 1) // MR) * MR          # row stride of a query block in Qa/Da/dq acc
@@ -115,13 +117,15 @@ def _backward_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool, mask_float
             rowoff = (b * Hq + h) * L + i0
             b_pack_a(qf, rowoff * E, nq, E, Qa, (hh * Lp + qb * Bqp) * Eld)
             b_pack_a(dof, rowoff * Ev, nq, Ev, Da, (hh * Lp + qb * Bqp) * Evld)
+            b_pack_rows(qf, rowoff * E, nq, E, Ep, Qr, (hh * Lp + qb * Bqp) * Ep)
+            b_pack_rows(dof, rowoff * Ev, nq, Ev, Evp, Dr, (hh * Lp + qb * Bqp) * Evp)
 
     for j0 in range(s_lo, s_hi, Bk):
         n = min(Bk, s_hi - j0)
-        nrt = (n + MR - 1) // MR
-        for x in range(nrt * MR * Eld):
+        # dK^T (Ep x TB) and dV^T (Evp x TB) of this key block
+        for x in range(Ep * TB):
             Wdk[x] = zero
-        for x in range(nrt * MR * Evld):
+        for x in range(Evp * TB):
             Wdv[x] = zero
         b_pack_b(kf, kbase + j0 * E, n, E, Kb)
         b_pack_b(vf, vbase + j0 * Ev, n, Ev, Vb)
@@ -158,8 +162,9 @@ def _backward_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool, mask_float
                      vbase + j0 * Ev, n, ab)
                 tile_grad(Ws, Wz, Wg, nq, n, c_exp, lse2, Dd, rowoff, use_cap, do_drop, seed,
                           bh, i0, j0, thresh, inv_keep)
-                b_tn(Wdv, Evld, nrt, n, Wz, TB, dof, rowoff * Ev, Ev, nq, Ev, ab)
-                b_tn(Wdk, Eld, nrt, n, Ws, TB, qf, rowoff * E, E, nq, E, ab)
+                b_tn(Wdv, TB, Evp // MR, Ev, Dr, aoff * Evp, Evp, dof, rowoff * Ev, Ev, Wz, TB,
+                     nq, n, ab)
+                b_tn(Wdk, TB, Ep // MR, E, Qr, aoff * Ep, Ep, qf, rowoff * E, E, Ws, TB, nq, n, ab)
                 if kfin:
                     b_nn(dqa, aoff * Eld, Eld, ntq, nq, Ws, TB, kf, kbase + j0 * E, E, n, E, ab)
                 else:
@@ -167,9 +172,9 @@ def _backward_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool, mask_float
         # this item owns keys j0..j0+n-1: dk, dv are final (zero if no query saw them)
         for r in range(n):
             for t in range(E):
-                dk[kbase + (j0 + r) * E + t] = Wdk[r * Eld + t] * sc
+                dk[kbase + (j0 + r) * E + t] = Wdk[t * TB + r] * sc
             for t in range(Ev):
-                dv[vbase + (j0 + r) * Ev + t] = Wdv[r * Evld + t]
+                dv[vbase + (j0 + r) * Ev + t] = Wdv[t * TB + r]
 
     if nchunks == 1:
         _write_dq(dqa, dq, b, hk, g, L, E, Bq, Lp, sc)
@@ -209,7 +214,7 @@ def _merge_dq(bk, nchunks, dqp, dq, Hkv, g, L, E, Bq, Lp, sc, tmp):
 def _backward_kernel(q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi, scale,
                      softcap, q_offset, win_left, win_right, dropout_p, seed, dout, out, lse,
                      dq, dk, dv, Bq, Bk, csize, nch, nthreads, dqp, Dd, lse2,
-                     wQ, wD, wK, wV, wS, wZ, wG, wdk, wdv, wdq, wVs):
+                     wQ, wD, wQr, wDr, wK, wV, wS, wZ, wG, wdk, wdv, wdq, wVs):
     B, Hq, L, E = q.shape
     Hkv = k.shape[1]
     g = Hq // Hkv
@@ -233,8 +238,8 @@ def _backward_kernel(q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi
             _backward_item(it, nch, csize, q, k, v, mask_kind, mask_bool, mask_float,
                            has_alibi, alibi, scale, softcap, q_offset, win_left, win_right,
                            dropout_p, seed, dout, lse2, Dd, dq, dkf, dvf, Bq, Bk, dqp,
-                           wQ[w], wD[w], wK[w], wV[w], wS[w], wZ[w], wG[w], wdk[w], wdv[w],
-                           wdq[w], wVs[w])
+                           wQ[w], wD[w], wQr[w], wDr[w], wK[w], wV[w], wS[w], wZ[w], wG[w],
+                           wdk[w], wdv[w], wdq[w], wVs[w])
     if nch > 1:
         nqb = (L + Bq - 1) // Bq
         Lp = nqb * (((Bq + MR - 1) // MR) * MR)
@@ -261,6 +266,8 @@ def workspace(dtype, T, g, L, E, Ev, Bq, Bk, softcap, n_items, nchunks):
     the forward's): packed Q and dO of a KV group, K/V panels of a key block,
     the score/dS and Z/Pd tiles, the dk/dv/dq accumulators."""
     Eld, Evld = max(E, 1), max(Ev, 1)
+    Ep, Evp = -(-E // MR) * MR, -(-Ev // MR) * MR
+    f32 = np.dtype(dtype) == np.float32
     Bqp = -(-Bq // MR) * MR
     Bkp = -(-Bk // MR) * MR
     TB = max(-(-Bk // PW) * PW, Bkp)
@@ -273,13 +280,15 @@ def workspace(dtype, T, g, L, E, Ev, Bq, Bk, softcap, n_items, nchunks):
     npan = -(-Bk // PW)
     arrs = (np.empty((T, g * Lp * Eld), dtype),                 # packed Q blocks
             np.empty((T, g * Lp * Evld), dtype),                # packed dO blocks
+            np.empty((T, g * Lp * Ep if f32 else 1), dtype),    # Q rows, padded
+            np.empty((T, g * Lp * Evp if f32 else 1), dtype),   # dO rows, padded
             np.empty((T, max(npan * PW, Bkp) * Eld), dtype),    # K panels of a key block
             np.empty((T, max(npan * PW, Bkp) * Evld), dtype),   # V panels
             np.empty((T, Bqp, TB), dtype),                      # S -> dS
             np.empty((T, Bqp, TB), dtype),                      # Z -> Pd
             np.empty((T, Bqp, TB) if softcap > 0 else (T, 1, 1), dtype),  # 1 - tanh^2
-            np.empty((T, Bkp * Eld), dtype),                    # dk accumulator
-            np.empty((T, Bkp * Evld), dtype),                   # dv accumulator
+            np.empty((T, max(Ep, 1) * TB), dtype),              # dK^T accumulator
+            np.empty((T, max(Evp, 1) * TB), dtype),             # dV^T accumulator
             np.empty((T, dqn if nchunks == 1 else 1), dtype),   # dq accumulator
             np.empty((T, Bk, Eld), dtype))                      # non-finite K slow path
     dqp = np.empty((n_items if nchunks > 1 else 1, dqn if nchunks > 1 else 1), dtype)
