@@ -111,10 +111,14 @@ def _targets(long_context: bool) -> list[Case]:
     cases = [Case(f"{TARGET} fwd B=1 H=8 d=64", "fwd", 1, 8, 8, 2048, 2048, 64),
              Case(f"{TARGET} fwd B=1 H=8 d=64 causal", "fwd", 1, 8, 8, 2048, 2048, 64, True),
              Case(f"{TARGET} fwd B=1 H=8 d=128", "fwd", 1, 8, 8, 2048, 2048, 128),
-             Case(f"{TARGET} fwd B=4 H=8 d=64", "fwd", 4, 8, 8, 256, 256, 64)]
+             Case(f"{TARGET} fwd B=4 H=8 d=64", "fwd", 4, 8, 8, 256, 256, 64),
+             Case(f"{TARGET} bwd B=1 H=8 d=64", "bwd", 1, 8, 8, 1024, 1024, 64),
+             Case(f"{TARGET} bwd B=1 H=8 d=64 causal", "bwd", 1, 8, 8, 1024, 1024, 64, True)]
     if long_context:       # ~0.55 TFLOP per call: too long for the full preset's half hour
         cases += [Case(f"{TARGET} decode GQA 32/8 d=128", "fwd", 1, 32, 8, 1, 16384, 128),
-                  Case(f"{TARGET} fwd H=4 d=64 causal", "fwd", 1, 4, 4, 32768, 32768, 64, True)]
+                  Case(f"{TARGET} fwd H=4 d=64 causal", "fwd", 1, 4, 4, 32768, 32768, 64, True),
+                  # the backward issue's memory bar: O(L*d), shown at L = S = 16384
+                  Case(f"{TARGET} bwd H=1 d=64", "bwd", 1, 1, 1, 16384, 16384, 64)]
     return cases
 
 
