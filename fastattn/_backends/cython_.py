@@ -8,15 +8,8 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-
-from .. import _config, _process
-from ._base import Backend
-from ._kernel_args import forward_inputs, forward_outputs
-
-# Few queries against a long cache: the decode kernel reads each K/V block once for all query
-# rows of a KV group and splits the keys over threads (flash-decoding).
-DECODE_MAX_ROWS = 16
+from .. import _process
+from ._compiled import CompiledBackend
 
 
 def _import_kernels():
@@ -38,12 +31,13 @@ def _import_kernels():
     return _cykernels
 
 
-class CythonBackend(Backend):
+class CythonBackend(CompiledBackend):
     name = "cython"
-    ops = ("forward", "backward", "softmax")
 
     def _load(self) -> None:
-        self._k = _import_kernels()
+        self._k = k = _import_kernels()
+        self._forward_kernel, self._decode_kernel = k.forward, k.decode
+        self._backward_kernel, self._softmax_kernel = k.backward, k.softmax_rows
         if _process.forked():
             # imported first in a fork() child: the parent may have used the same libgomp
             # (source builds share the system's), so stay off the pool, as the extension's own
@@ -53,27 +47,3 @@ class CythonBackend(Backend):
     def details(self) -> dict:
         k = self._k
         return {"openmp": bool(k.OPENMP_ENABLED), "simd": k.simd(), "max_threads": k.max_threads()}
-
-    def forward(self, p):
-        out, lse = forward_outputs(p)
-        L = p.q.shape[2]
-        kernel = self._k.decode if L * p.group <= DECODE_MAX_ROWS * 4 and L <= DECODE_MAX_ROWS else self._k.forward
-        _process.note_pool_used()
-        kernel(*forward_inputs(p), out, lse, _config.num_threads())
-        return out, lse
-
-    def backward(self, p, dout, out, lse):
-        """FlashAttention-2 backward kernel (csrc/backward.pxi): P recomputed from lse; returns
-        (dq, dk, dv) shaped like the canonical q, k, v."""
-        dq, dk, dv = np.empty_like(p.q), np.empty_like(p.k), np.empty_like(p.v)
-        self._k.backward(*forward_inputs(p), dout, out, lse, dq, dk, dv, _config.num_threads())
-        return dq, dk, dv
-
-    def softmax_rows(self, x, keep):
-        _process.note_pool_used()
-        out = np.empty_like(x)
-        if keep is None:
-            self._k.softmax_rows(x, 0, np.zeros((1, 1), np.uint8), out, _config.num_threads())
-        else:
-            self._k.softmax_rows(x, 1, keep.view(np.uint8), out, _config.num_threads())
-        return out

@@ -10,13 +10,9 @@ import os
 import sys
 import tempfile
 
-import numpy as np
+from .. import _process
+from ._compiled import CompiledBackend
 
-from .. import _config, _process
-from ._base import Backend
-from ._kernel_args import forward_inputs, forward_outputs
-
-DECODE_MAX_ROWS = 16
 _KERNEL_MODULES = tuple("fastattn._numba." + m for m in (
     "_intrinsics", "_exp", "_hash", "_blas", "_tiles", "_gemm", "_bwd_ops", "forward", "decode",
     "softmax", "backward"))
@@ -45,12 +41,13 @@ def _import_kernels():
     return forward, decode, softmax, backward
 
 
-class NumbaBackend(Backend):
+class NumbaBackend(CompiledBackend):
     name = "numba"
-    ops = ("forward", "backward", "softmax")
 
     def _load(self) -> None:
-        self._forward, self._decode, self._softmax, self._backward = _import_kernels()
+        forward, decode, softmax, backward = _import_kernels()
+        self._forward_kernel, self._decode_kernel = forward.forward, decode.decode
+        self._backward_kernel, self._softmax_kernel = backward.backward, softmax.softmax_rows
 
     def not_supported_reasons(self, problem, op):
         reasons = super().not_supported_reasons(problem, op)
@@ -67,29 +64,3 @@ class NumbaBackend(Backend):
 
         layer = numba.config.THREADING_LAYER
         return {"numba": numba.__version__, "threading_layer": layer}
-
-    def forward(self, p):
-        out, lse = forward_outputs(p)
-        L = p.q.shape[2]
-        use_decode = L <= DECODE_MAX_ROWS and L * p.group <= DECODE_MAX_ROWS * 4
-        kernel = self._decode.decode if use_decode else self._forward.forward
-        _process.note_pool_used()
-        kernel(*forward_inputs(p), out, lse, _config.num_threads())
-        return out, lse
-
-    def backward(self, p, dout, out, lse):
-        """FlashAttention-2 backward (fastattn/_numba/backward.py); canonical (dq, dk, dv)."""
-        dq, dk, dv = np.empty_like(p.q), np.empty_like(p.k), np.empty_like(p.v)
-        _process.note_pool_used()
-        self._backward.backward(*forward_inputs(p), dout, out, lse, dq, dk, dv,
-                                _config.num_threads())
-        return dq, dk, dv
-
-    def softmax_rows(self, x, keep):
-        _process.note_pool_used()
-        out = np.empty_like(x)
-        if keep is None:
-            self._softmax.softmax_rows(x, 0, np.zeros((1, 1), np.uint8), out, _config.num_threads())
-        else:
-            self._softmax.softmax_rows(x, 1, keep.view(np.uint8), out, _config.num_threads())
-        return out

@@ -1,0 +1,54 @@
+"""What the two compiled backends (cython, numba) share: the kernel calling convention.
+
+Both expose the same four kernels with the same arguments (docs/KERNELS.md): forward, decode,
+backward and softmax_rows. A subclass's `_load` imports them and sets the four attributes below;
+the calls, the output allocation and the decode-or-forward choice live here once.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _config, _process
+from ._base import Backend
+from ._kernel_args import forward_inputs, forward_outputs
+
+# Few queries against a long cache: the decode kernel reads each K/V block once for all query
+# rows of a KV group and splits the keys over threads (flash-decoding). Up to this many query
+# rows per head, and four times as many per KV group, decode is faster than the tiled forward.
+DECODE_MAX_ROWS = 16
+
+
+def use_decode(p) -> bool:
+    L = p.q.shape[2]
+    return L <= DECODE_MAX_ROWS and L * p.group <= DECODE_MAX_ROWS * 4
+
+
+class CompiledBackend(Backend):
+    ops = ("forward", "backward", "softmax")
+
+    # set by _load: the kernels, each taking the arguments of docs/KERNELS.md
+    _forward_kernel = _decode_kernel = _backward_kernel = _softmax_kernel = None
+
+    def forward(self, p):
+        out, lse = forward_outputs(p)
+        kernel = self._decode_kernel if use_decode(p) else self._forward_kernel
+        _process.note_pool_used()
+        kernel(*forward_inputs(p), out, lse, _config.num_threads())
+        return out, lse
+
+    def backward(self, p, dout, out, lse):
+        """FlashAttention-2 backward: P recomputed from lse; (dq, dk, dv) shaped like the
+        canonical q, k, v."""
+        dq, dk, dv = np.empty_like(p.q), np.empty_like(p.k), np.empty_like(p.v)
+        _process.note_pool_used()
+        self._backward_kernel(*forward_inputs(p), dout, out, lse, dq, dk, dv,
+                              _config.num_threads())
+        return dq, dk, dv
+
+    def softmax_rows(self, x, keep):
+        out = np.empty_like(x)
+        # the kernel takes a uint8 keep matrix and a flag saying whether to read it
+        keep_u8 = np.zeros((1, 1), np.uint8) if keep is None else keep.view(np.uint8)
+        _process.note_pool_used()
+        self._softmax_kernel(x, int(keep is not None), keep_u8, out, _config.num_threads())
+        return out
