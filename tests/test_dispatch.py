@@ -161,3 +161,22 @@ def test_import_does_not_import_numba():
 def test_num_threads_env_is_validated():
     res = _run("import fastattn._config as c; c.num_threads()", FASTATTN_NUM_THREADS="zero")
     assert res.returncode != 0 and "FASTATTN_NUM_THREADS must be a positive integer" in res.stderr
+
+
+def test_numba_without_a_writable_cache_still_works():
+    """A read-only install with no writable home: numba finds no cache locator, and refuses
+    cache=True at import. The adaptor then compiles into a private temporary cache."""
+    pytest.importorskip("numba")
+    code = ("import numpy as np, numba, fastattn as fa\n"
+            "x = np.random.default_rng(0).random((5, 7)).astype(np.float32)\n"
+            "err = np.abs(fa.softmax(x, backend='numba') - fa.softmax(x, backend='numpy')).max()\n"
+            "print(fa.backends()['numba'].available, err < 1e-6, numba.config.CACHE_DIR)\n")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    # the only locator left is the user-provided one, and no directory is provided
+    env["NUMBA_CACHE_LOCATOR_CLASSES"] = "UserProvidedCacheLocator"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    available, close, cache_dir = res.stdout.split()
+    assert available == "True" and close == "True"
+    assert os.path.basename(cache_dir).startswith("fastattn-numba-cache-")

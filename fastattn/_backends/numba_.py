@@ -6,7 +6,9 @@ inside the parallel region (see fastattn/_numba/_blas.py, _BlasGuard).
 """
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
@@ -37,6 +39,7 @@ def _import_kernels():
         for name in _KERNEL_MODULES:
             sys.modules.pop(name, None)
         numba.config.CACHE_DIR = tempfile.mkdtemp(prefix="fastattn-numba-cache-")
+        atexit.register(shutil.rmtree, numba.config.CACHE_DIR, ignore_errors=True)
         from .._numba import backward, decode, forward, softmax
     return forward, decode, softmax, backward
 
