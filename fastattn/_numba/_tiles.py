@@ -157,8 +157,11 @@ def tile_online(S, P, r0, r1, n, m, lsum, acc, Ev, c):
             if s <= lim:            # False for inf and NaN
                 lsum[r] += s
                 continue
-        mx = S[r, 0]
-        for j in range(1, n):
+        # from -inf over all n (not S[r, 0] then 1..n): a trip count of n - 1
+        # left a scalar tail of 15 dependent maximum ops per row, which made
+        # this pass 3x slower (0.29 vs 0.10 ns per score at n = 256)
+        mx = ninf
+        for j in range(n):
             mx = fmax_nan(mx, S[r, j])
         m_new = fmax_nan(m_old, mx * c)
         if m_new == ninf:
@@ -237,19 +240,23 @@ def tile_finalize(acc, m, lsum, nq, Ev, of, ooff, lse_flat, loff, inv_keep, kapp
     were 2**(x*c - m) with c the dtype-rounded factor of tile_online, so
     kappa = (scale for a raw tile, 1 for a natural one) / c, in float64 -
     using ln2 instead would add c's rounding times |score| to lse. The factor
-    and lse are formed in float64 so float32 results are rounded once."""
+    and lse are formed in float64 so float32 results are rounded once.
+    Output rows are written through a row slice: indexing the flat output
+    directly kept the loop scalar (15.6 vs 5.5 us per 256x64 block)."""
+    wide_vectors()
     ninf = fcast(acc, -np.inf)
     zero = fcast(acc, 0.0)
     for r in range(nq):
         lr = lsum[r]
+        orow = of[ooff + r * Ev:ooff + r * Ev + Ev]
         if m[r] == ninf or lr == zero:
             for t in range(Ev):
-                of[ooff + r * Ev + t] = zero
+                orow[t] = zero
             lse_flat[loff + r] = ninf
         else:
             f = np.float64(inv_keep) / np.float64(lr)
             for t in range(Ev):
-                of[ooff + r * Ev + t] = acc[r, t] * f
+                orow[t] = np.float64(acc[r, t]) * f
             lse_flat[loff + r] = np.float64(m[r]) * kappa + np.log(np.float64(lr))
 
 
