@@ -175,7 +175,11 @@ def _decode_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool,
                         tile_dropout(Pb, hh * L, hh * L + L, n, seed,
                                      b * Hq + hk * g + hh, 0, j0, thresh)
                 voff = vbase + j0 * Ev
-                if block_all_finite(vf, voff, n * Ev):
+                # no exact path where no weight is zeroed by a mask/dropout
+                # (see forward.py)
+                band_any = (j0 < pos_max - win_left) or (j0 + n - 1 > pos_min + win_right)
+                if (mstat == 1 and not band_any and not do_drop) or \
+                        block_all_finite(vf, voff, n * Ev):
                     _dec_pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, R, ab)
                 else:
                     if Vs.shape[0] != Bk:

@@ -242,7 +242,13 @@ def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
             tile_dropout(Pb, 0, nq, n, seed, bh, i0, j0, thresh)
 
         voff = vbase + j0 * Ev
-        if block_all_finite(vf, voff, n * Ev):
+        # The exact path only matters where a weight is exactly 0 because of a
+        # mask or dropout. In a block with neither, every weight is nonzero or
+        # an underflow that the float64 reference also multiplies with the
+        # NaN/Inf, so the check (a first read of V: ~6 us per 256x64 block,
+        # ~3% of a B4 H8 L256 item) is skipped; the cython kernel does the same.
+        if (mstat == 1 and not band_partial and not do_drop) or \
+                block_all_finite(vf, voff, n * Ev):
             _pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab)
         else:
             if Vs.shape[0] != Bk:
