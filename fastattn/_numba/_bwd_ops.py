@@ -10,7 +10,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from ._blas import gemm_nn, gemm_nt, gemm_tn
-from ._gemm import MR, PW, gemm_acc_nn, gemm_acc_tn, gemm_qk, pack_k_panel, pack_q_tiles
+from ._gemm import MR, PW, gemm_acc_nn, gemm_acc_tn_packed, gemm_qk, pack_k_panel, pack_q_tiles
 from ._intrinsics import fcast
 
 
@@ -75,17 +75,19 @@ def _b_pack_b_ol(bf, boff, n, D, Bp):
 
 @overload(b_pack_rows)
 def _b_pack_rows_ol(af, aoff, nq, D, Dp, Ar, roff):
-    """nq rows at af[aoff] (D wide) -> rows of Dp (a multiple of MR, zero
-    padded) at Ar[roff]: the A operand of b_tn, whose MR-row micro-tiles
-    read whole padded rows (never past the data)."""
+    """nq rows at af[aoff] (D wide) -> the A operand of b_tn at Ar[roff],
+    packed per micro-tile of the transposed block (gemm_acc_tn_packed):
+    Ar[roff + (it*nq + i)*MR + r] = X[i, it*MR + r], zero for columns >= D;
+    Dp (a multiple of MR) / MR tiles, nq*Dp floats in all."""
     if af.dtype == types.float32:
         def impl(af, aoff, nq, D, Dp, Ar, roff):
             zero = np.float32(0.0)
-            for r in range(nq):
-                for t in range(D):
-                    Ar[roff + r * Dp + t] = af[aoff + r * D + t]
-                for t in range(D, Dp):
-                    Ar[roff + r * Dp + t] = zero
+            for i in range(nq):
+                for it in range(Dp // MR):
+                    dst = roff + (it * nq + i) * MR
+                    for r in range(MR):
+                        t = it * MR + r
+                        Ar[dst + r] = af[aoff + i * D + t] if t < D else zero
     else:
         def impl(af, aoff, nq, D, Dp, Ar, roff):
             pass
@@ -111,10 +113,10 @@ def _b_tn_ol(C, ldc, nrt, M, Ar, aroff, ldar, af, aoff, lda, B, ldb, K, N, ab):
     with the (K x N) tile B read row by row, as tile_grad wrote it. (The
     other orientation, dV += Pd^T dO, read the tile down its columns and ran
     2-3x slower than the other products right after tile_grad.) float32 reads
-    A from the padded rows Ar (see b_pack_rows), float64 from af itself."""
+    A from its tile-packed copy Ar (see b_pack_rows), float64 from af itself."""
     if C.dtype == types.float32:
         def impl(C, ldc, nrt, M, Ar, aroff, ldar, af, aoff, lda, B, ldb, K, N, ab):
-            gemm_acc_tn(C, 0, ldc, nrt, Ar, aroff, ldar, B, 0, ldb, K, N)
+            gemm_acc_tn_packed(C, 0, ldc, nrt, Ar, aroff, B, 0, ldb, K, N)
     else:
         def impl(C, ldc, nrt, M, Ar, aroff, ldar, af, aoff, lda, B, ldb, K, N, ab):
             gemm_tn(M, N, K, af, aoff, lda, B, 0, ldb, 0, C, 0, ldc, ab)

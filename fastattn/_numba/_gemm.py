@@ -312,10 +312,14 @@ def gemm_pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, ntiles):
     for k0 in range(0, n, KC):
         kc = min(KC, n - k0)
         for c0 in range(0, Ev, PW):
-            nc = min(PW, Ev - c0)
-            for it in range(ntiles):
-                microkernel_f32(acc, it * MR * Evld + c0, Evld, Pb, it * MR * Bk + k0, Bk, 1,
-                                vf, voff + k0 * Ev + c0, Ev, kc, nc, True)
+            if Ev - c0 >= PW:     # constant ncols: the column masks fold away (gemm_acc_nn)
+                for it in range(ntiles):
+                    microkernel_f32(acc, it * MR * Evld + c0, Evld, Pb, it * MR * Bk + k0, Bk, 1,
+                                    vf, voff + k0 * Ev + c0, Ev, kc, PW, True)
+            else:
+                for it in range(ntiles):
+                    microkernel_f32(acc, it * MR * Evld + c0, Evld, Pb, it * MR * Bk + k0, Bk, 1,
+                                    vf, voff + k0 * Ev + c0, Ev, kc, Ev - c0, True)
 
 
 # backward products accumulated over many tiles: end-add chains (see kb < 0)
@@ -344,23 +348,25 @@ def gemm_acc_nn(C, coff, ldc, nrt, A, aoff, lda, B, boff, ldb, K, N):
 
 
 @njit
-def gemm_acc_tn(C, coff, ldc, nrt, A, aoff, lda, B, boff, ldb, K, N):
-    """C[:nrt*MR, :N] += A[:K, :nrt*MR]^T . B[:K, :N]: A is a row-major tile
-    read down its columns (dV += P^T dO, dK += dS^T Q); each k-step reads MR
-    adjacent elements of one A row. A must have readable memory for
-    nrt*MR columns (pad rows of C get garbage and are never used)."""
+def gemm_acc_tn_packed(C, coff, ldc, nrt, A, aoff, B, boff, ldb, K, N):
+    """C[:nrt*MR, :N] += A^T . B[:K, :N] with A^T packed per micro-tile:
+    tile it holds A^T[it*MR + r, t] at A[aoff + (it*K + t)*MR + r], so each
+    k-step reads MR adjacent elements and a tile streams through K*MR
+    contiguous floats. (Reading a row-major A down its columns, as before,
+    walked K rows per tile and touched a new cache line every k-step: dV^T
+    tile 128x64x128 ~17.6 us.)"""
     no_inline()
     for k0 in range(0, K, KC):
         kc = min(KC, K - k0)
         for c0 in range(0, N, PW):
             if N - c0 >= PW:      # constant ncols: see gemm_acc_nn
                 for it in range(nrt):
-                    mk_acc(C, coff + it * MR * ldc + c0, ldc, A, aoff + k0 * lda + it * MR, 1,
-                           lda, B, boff + k0 * ldb + c0, ldb, kc, PW, True)
+                    mk_acc(C, coff + it * MR * ldc + c0, ldc, A, aoff + (it * K + k0) * MR, 1,
+                           MR, B, boff + k0 * ldb + c0, ldb, kc, PW, True)
             else:
                 for it in range(nrt):
-                    mk_acc(C, coff + it * MR * ldc + c0, ldc, A, aoff + k0 * lda + it * MR, 1,
-                           lda, B, boff + k0 * ldb + c0, ldb, kc, N - c0, True)
+                    mk_acc(C, coff + it * MR * ldc + c0, ldc, A, aoff + (it * K + k0) * MR, 1,
+                           MR, B, boff + k0 * ldb + c0, ldb, kc, N - c0, True)
 
 
 @njit(fastmath={'contract'})   # FMA in the scalar tail, like the kernels
