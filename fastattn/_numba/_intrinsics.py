@@ -169,3 +169,24 @@ def _fcast_ol(arr, x):
     return None
 
 
+
+
+@intrinsic
+def prefetch_l2(typingctx, arr, idx):
+    """Software prefetch of the cache line holding arr.flat[idx] into L2
+    (llvm.prefetch, read, locality 2). A hint only: no fault, no effect on
+    results."""
+    if not isinstance(arr, types.Array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        aty = signature.args[0]
+        ary = context.make_array(aty)(context, builder, args[0])
+        ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]),
+            "llvm.prefetch.p0")
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.none(arr, types.intp), codegen

@@ -18,7 +18,7 @@ from numba.extending import overload
 
 from ._blas import blas_single_thread, gemm_nn, gemm_nt, numba_threads, prime_blas
 from ._hash import dropout_threshold_nb
-from ._intrinsics import FM, atomic_next, fcast, wide_vectors
+from ._intrinsics import FM, atomic_next, fcast, prefetch_l2, wide_vectors
 from ._tiles import (
     block_all_finite, block_status_bool, block_status_float, mask_strides, pv_nonfinite,
     score_units, tile_dropout, tile_finalize, tile_online, tile_pipeline)
@@ -117,12 +117,24 @@ def _pack_k_ol(k, Kp, x):
     return impl
 
 
+@njit
+def _prefetch_part(af, off, ln, c, nch, step):
+    """Prefetch part c of nch of af[off:off+ln] into L2, one line per step."""
+    for x in range(off + ln * c // nch, off + ln * (c + 1) // nch, step):
+        prefetch_l2(af, x)
+
+
+# rows of the softmax pass between two rounds of prefetches (see _forward_item)
+PF_ROWS = 8
+
+
 @njit(cache=True, fastmath=FM, nogil=True)
 def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
                   alibi, scale, softcap, q_offset, win_left, win_right,
                   dropout_p, seed, out, lse, Bq, Bk, reverse_q, Kp,
-                  Qx, Sb, Pb, acc, m, lsum, Kl, local_pack):
-    """One (batch*head, query-block) item. Kept out of the prange body so the
+                  Qx, Sb, Pb, acc, m, lsum, Kl, local_pack, pf_it):
+    """One (batch*head, query-block) item. pf_it: the item this worker runs
+    next (-1: none), whose first Q/K/V rows are prefetched during this one. Kept out of the prange body so the
     parfor passes see a trivial loop (compile time) and so this function can
     carry the 512-bit vector-width hint."""
     wide_vectors()
@@ -203,6 +215,31 @@ def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
     # key blocks cover exactly [jlo, jhi]: the first starts at jlo (rounded
     # down to a K-panel boundary for the packed kernel) and the last is cut at
     # jhi, so with causal/window masks no work is spent past the band edge
+    # Prefetch of the next item's Q block and first key block of K (when it is
+    # packed inside the item) and V, spread over the row chunks of this item's
+    # last softmax pass: with a single key block per item (L = S = 256) these
+    # first reads from L3/memory (pack Q, pack K, the first P.V pass) were
+    # ~20 us of a ~200 us item.
+    pf_q = pf_k = pf_v = 0
+    pq_off = pk_off = pv_off = 0
+    if pf_it >= 0:
+        pbh = pf_it // nqb
+        pqb = pf_it - pbh * nqb
+        if reverse_q:
+            pqb = nqb - 1 - pqb
+        pb = pbh // Hq
+        ph = pbh - pb * Hq
+        phk = ph // g
+        pq_off = ((pb * Hq + ph) * L + pqb * Bq) * E
+        pf_q = min(Bq, L - pqb * Bq) * E
+        pk_off = (pb * Hkv + phk) * S * E
+        pv_off = (pb * Hkv + phk) * S * Ev
+        if local_pack:
+            pf_k = min(S, Bk) * E
+        pf_v = min(S, Bk) * Ev
+    pf_step = max(1, 64 // q.itemsize)
+    pf_nch = (nq + PF_ROWS - 1) // PF_ROWS
+
     align = PW if _packed(q) else 1
     j0 = (jlo // align) * align
     while j0 <= jhi:
@@ -237,7 +274,16 @@ def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
                           softcap, has_alibi, slope, mask_kind, mbf, mff,
                           mbase + j0 * sS, sL, sS, mstat, band_partial,
                           win_left, win_right, Sb, False)
-        tile_online(Sb, Pb, 0, nq, n, m, lsum, acc, Ev, c_exp)
+        if j0 + Bk > jhi and pf_it >= 0:
+            # last key block: softmax in row chunks, prefetching between them
+            for c in range(pf_nch):
+                r0 = c * PF_ROWS
+                tile_online(Sb, Pb, r0, min(nq, r0 + PF_ROWS), n, m, lsum, acc, Ev, c_exp)
+                _prefetch_part(qf, pq_off, pf_q, c, pf_nch, pf_step)
+                _prefetch_part(kf, pk_off, pf_k, c, pf_nch, pf_step)
+                _prefetch_part(vf, pv_off, pf_v, c, pf_nch, pf_step)
+        else:
+            tile_online(Sb, Pb, 0, nq, n, m, lsum, acc, Ev, c_exp)
         if do_drop:
             tile_dropout(Pb, 0, nq, n, seed, bh, i0, j0, thresh)
 
@@ -282,17 +328,29 @@ def _forward_kernel(q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
     # workers claim items dynamically from an atomic counter (causal items
     # come most expensive first), so a thread slowed down by imbalance or by
     # another process on the machine does not hold up the call.
+    # Away from the end a worker claims its next item before running the
+    # current one, so the current one can prefetch the next one's data; near
+    # the end it claims after, so no item waits behind a busy worker.
     counter = np.zeros(1, np.int64)
     for w in prange(T):
-        while True:
-            it = atomic_next(counter)
-            if it >= n_items:
-                break
+        it = atomic_next(counter)
+        while it < n_items:
+            early = it + 2 * T < n_items
+            nxt = n_items
+            if early:
+                nxt = atomic_next(counter)
+            pf = -1
+            if nxt < n_items:
+                pf = nxt
             _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float,
                           has_alibi, alibi, scale, softcap, q_offset, win_left,
                           win_right, dropout_p, seed, out, lse, Bq, Bk,
                           reverse_q, Kp, wQ[w], wS[w], wP[w], wA[w], wM[w], wL[w],
-                          wK[w], local_pack)
+                          wK[w], local_pack, pf)
+            if early:
+                it = nxt
+            else:
+                it = atomic_next(counter)
 
 
 def block_sizes(L, S, E, Ev, itemsize, n_threads, B=1, H=1):
