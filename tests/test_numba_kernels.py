@@ -175,3 +175,40 @@ def test_backward_kernel_blocks_and_chunks(case, dtype, blocks):
     naive = reference.scaled_dot_product_attention_backward(g, q, k, v, dtype=dtype, **kw)
     for name, a, r, n in zip(("dq", "dk", "dv"), res[0], want, naive):
         assert_close_to_reference(a, r, n, dtype, name)
+
+
+# (case, seed, blocks, gradient) where the backward kernel broke the float32 rule while it took
+# P = exp(s - lse) and D = rowsum(dO * O) from the given (float32) lse and out: the lse's
+# rounding scaled whole rows of P (dv 1.2-1.3x the bound), out's error reached dS through D
+# (dq/dk up to 1.8x). Now Z = sum_j P and D = sum_j P dP come from the kernel's own tiles.
+BACKWARD_REGRESSIONS = [
+    ("dropout", 188, (7, 13, 3), "dk"),
+    ("dropout", 62, (16, 64, 1), "dq"),
+    ("plain", 188, (16, 64, 1), "dq"),
+    ("window", 186, (16, 64, 1), "dv"),
+    ("float_mask", 0, (128, 128, 2), "dv"),
+    ("nan_masked_kv", 45, (7, 13, 3), "dv"),
+    ("empty_rows", 68, (128, 128, 2), "dk"),
+]
+
+
+@pytest.mark.parametrize("case, seed, blocks, grad", BACKWARD_REGRESSIONS)
+def test_backward_kernel_float32_regressions(case, seed, blocks, grad):
+    from helpers import assert_close_to_reference
+
+    from fastattn import reference
+    from fastattn._backends._kernel_args import forward_inputs
+    from fastattn._numba import backward as bwd
+
+    dtype = np.float32
+    q, k, v, g, kw, p = _kernel_problem(np.random.default_rng(seed), dtype, case)
+    out, lse = reference.scaled_dot_product_attention(q, k, v, return_lse=True, dtype=dtype, **kw)
+    out, lse = out.astype(dtype), lse.astype(dtype)
+    bq, bk, nchunks = blocks
+    dq, dk, dv = np.full_like(q, np.nan), np.full_like(k, np.nan), np.full_like(v, np.nan)
+    bwd.backward(*forward_inputs(p), g, out, lse, dq, dk, dv, 2, block_q=bq, block_k=bk,
+                 nchunks=nchunks)
+    i = ("dq", "dk", "dv").index(grad)
+    want = reference.scaled_dot_product_attention_backward(g, q, k, v, **kw)[i]
+    naive = reference.scaled_dot_product_attention_backward(g, q, k, v, dtype=dtype, **kw)[i]
+    assert_close_to_reference((dq, dk, dv)[i], want, naive, dtype, grad)

@@ -217,7 +217,7 @@ def tile_dropout(P, r0, r1, n, seed, bh, i0, j0, thresh):
 
 
 @njit(fastmath=FM)
-def tile_grad(S, Z, Gc, nq, n, c, lse2, Dd, roff, use_cap, do_drop, seed, bh,
+def tile_grad(S, Z, Gc, nq, n, c, lse2, Dd, Iz, roff, use_cap, do_drop, seed, bh,
               i0, j0, thresh, inv_keep):
     """Backward tile pass (docs/KERNELS.md): S holds the scores as tile_online
     reads them (log2-unit score = S * c) and becomes dS; Z holds dO . V^T and
@@ -234,17 +234,18 @@ def tile_grad(S, Z, Gc, nq, n, c, lse2, Dd, roff, use_cap, do_drop, seed, bh,
     for r in range(nq):
         l2 = lse2[roff + r]
         d = Dd[roff + r]
+        iz = Iz[roff + r]
         if do_drop:
             rk = dropout_row_key(seed, bh, i0 + r)
             for j in range(n):
-                p = exp2v(S[r, j] * cc - l2)
+                p = exp2v(S[r, j] * cc - l2) * iz
                 ks = ik if dropout_bits(rk, j0 + j) >= thresh else zero
                 ds = p * (Z[r, j] * ks - d)
                 S[r, j] = ds if p != zero else zero
                 Z[r, j] = p * ks
         else:
             for j in range(n):
-                p = exp2v(S[r, j] * cc - l2)
+                p = exp2v(S[r, j] * cc - l2) * iz
                 ds = p * (Z[r, j] - d)
                 S[r, j] = ds if p != zero else zero
                 Z[r, j] = p

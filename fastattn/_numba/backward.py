@@ -10,6 +10,15 @@ a dq accumulator of the item's own. Nothing is shared between items except
 the read-only inputs, so the result does not depend on thread timing: no
 atomics, and every sum runs in a fixed order.
 
+Before that, a pass over (query head, query block) units takes each row's
+Z = sum_j P and D = sum_j P dP from the same tiles (QK^T and dO V^T, scores
+by the same code), and the main pass uses P/Z and dS = (P/Z)(dP - D/Z), as
+the Cython kernel does: with P from the given float32 lse and D from
+rowsum(dO*O) of the given out, float32 gradients broke the tolerance rule on
+~1-5% of random small problems (up to 1.8x the bound; the lse's rounding
+scales whole rows of P, out's error reaches dS through D). The pass costs
+two of the main pass's five tile products.
+
 Keys are split into chunks only when batch*kv_heads cannot keep the threads
 busy (as decode does); then each chunk leaves a dq partial and a last pass
 adds the partials in chunk order. Memory: per worker the packed Q/dO of one
@@ -25,7 +34,8 @@ from numba import njit, prange
 from ._blas import blas_single_thread, numba_threads, prime_blas
 from ._bwd_ops import b_nn, b_pack_a, b_pack_b, b_pack_rows, b_qk, b_tn, dq_nonfinite
 from ._gemm import MR, PW
-from ._hash import dropout_threshold_nb
+from ._exp import exp2v
+from ._hash import dropout_bits, dropout_row_key, dropout_threshold_nb
 from ._intrinsics import FM, atomic_next, fcast, wide_vectors
 from ._tiles import (
     block_all_finite, block_status_bool, block_status_float, mask_strides, score_units, tile_grad,
@@ -33,27 +43,135 @@ from ._tiles import (
 
 
 @njit(cache=True, fastmath=FM, nogil=True)
-def _rows_prologue(r0, r1, dout, out, lse, kappa, Dd, lse2):
-    """D = rowsum(dO * O) (float64 sums) and lse in tile_grad's log2 units
-    (lse / kappa, kappa as the forward's finalize used it; +inf for rows with
-    lse = -inf, so their P = 2**(-inf) = 0)."""
-    Ev = dout.shape[3]
-    df = dout.reshape(-1)
-    of = out.reshape(-1)
+def _rows_prologue(r0, r1, lse, kappa, lse2):
+    """lse in tile_grad's log2 units (lse / kappa, kappa as the forward's
+    finalize used it; +inf for rows with lse = -inf, so their P = 2**(-inf)
+    = 0). (D is not rowsum(dO * O) from `out`: _norm_unit takes it from the
+    tiles.)"""
     lf = lse.reshape(-1)
     for r in range(r0, r1):
-        acc = 0.0
-        for t in range(Ev):
-            acc += np.float64(df[r * Ev + t]) * np.float64(of[r * Ev + t])
-        Dd[r] = acc
         x = lf[r]
         lse2[r] = np.inf if x == -np.inf else np.float64(x) / kappa
 
 
 @njit(cache=True, fastmath=FM, nogil=True)
+def _norm_unit(u, q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi, scale, softcap,
+               q_offset, win_left, win_right, dropout_p, seed, dout, lse2, Dd, Iz, Bq, Bk,
+               Qa, Da, Kb, Vb, Ws, Wz, Wg, zs, ds):
+    """Row sums of the tiles the main pass recomputes, for query block u of
+    (batch, head): Z = sum_j P (P = 2**(S*c - lse2), lse as given) and
+    D = sum_j P dP (dP with dropout's keep/(1-p)), in float64, over every key
+    the row sees, with the main pass's own score code (same bits). Writes
+    Iz = 1/Z and Dd = D/Z, so the main pass uses P/Z and dS = (P/Z)(dP - D/Z):
+    errors of the given lse (it scales the whole row) and of `out` (D from
+    rowsum(dO*O) cancels against dP where a row's attention sits on one key)
+    do not reach the gradients."""
+    wide_vectors()
+    B, Hq, L, E = q.shape
+    Hkv = k.shape[1]
+    S = k.shape[2]
+    Ev = v.shape[3]
+    g = Hq // Hkv
+    nqb = (L + Bq - 1) // Bq
+    bh = u // nqb
+    qb = u - bh * nqb
+    b = bh // Hq
+    h = bh - b * Hq
+    hk = h // g
+    qf = q.reshape(-1)
+    kf = k.reshape(-1)
+    vf = v.reshape(-1)
+    dof = dout.reshape(-1)
+    mbf = mask_bool.reshape(-1)
+    mff = mask_float.reshape(-1)
+    if mask_kind == 1:
+        sB, sH, sL, sS = mask_strides(mask_bool, B, Hq, L, S)
+    else:
+        sB, sH, sL, sS = mask_strides(mask_float, B, Hq, L, S)
+    Ba = alibi.shape[0]
+    use_cap = softcap > 0.0
+    to_nat, c_exp, kappa = score_units(q, scale, softcap, has_alibi, mask_kind)
+    do_drop = dropout_p > 0.0
+    thresh = dropout_threshold_nb(dropout_p)
+    ik = fcast(q, 1.0 / (1.0 - dropout_p))
+    always_rows = use_cap or has_alibi
+    zero = fcast(q, 0.0)
+    cc = fcast(q, c_exp)
+    ab = np.empty(2, q.dtype)
+    ab[0] = fcast(q, 1.0)
+    ab[1] = zero
+    kbase = (b * Hkv + hk) * S * E
+    vbase = (b * Hkv + hk) * S * Ev
+    slope = fcast(q, alibi[b if Ba > 1 else 0, h]) if has_alibi else zero
+    i0 = qb * Bq
+    nq = min(Bq, L - i0)
+    ntq = (nq + MR - 1) // MR
+    rowoff = bh * L + i0
+    b_pack_a(qf, rowoff * E, nq, E, Qa, 0)
+    b_pack_a(dof, rowoff * Ev, nq, Ev, Da, 0)
+    for r in range(nq):
+        zs[r] = 0.0
+        ds[r] = 0.0
+    pos_first = i0 + q_offset
+    pos_last = i0 + nq - 1 + q_offset
+    for j0 in range(0, S, Bk):
+        n = min(Bk, S - j0)
+        if j0 + n - 1 < pos_first - win_left or j0 > pos_last + win_right:
+            continue
+        mbase = b * sB + h * sH + i0 * sL + j0 * sS
+        mstat = 1
+        if mask_kind == 1:
+            mstat = block_status_bool(mbf, mbase, sL, sS, nq, n)
+        elif mask_kind == 2:
+            mstat = block_status_float(mff, mbase, sL, sS, nq, n)
+        if mstat == 0:
+            continue
+        band_partial = (j0 < pos_last - win_left) or (j0 + n - 1 > pos_first + win_right)
+        b_pack_b(kf, kbase + j0 * E, n, E, Kb)
+        b_pack_b(vf, vbase + j0 * Ev, n, Ev, Vb)
+        b_qk(Ws, Ws.shape[1], Qa, 0, qf, rowoff * E, E, ntq, nq, Kb, kf, kbase + j0 * E, n, ab)
+        if always_rows or band_partial or mstat == 2:
+            tile_pipeline(Ws, 0, nq, n, j0, pos_first, to_nat, scale, use_cap, softcap,
+                          has_alibi, slope, mask_kind, mbf, mff, mbase, sL, sS, mstat,
+                          band_partial, win_left, win_right, Wg, False)
+        b_qk(Wz, Wz.shape[1], Da, 0, dof, rowoff * Ev, Ev, ntq, nq, Vb, vf, vbase + j0 * Ev,
+             n, ab)
+        for r in range(nq):
+            l2 = lse2[rowoff + r]
+            za = 0.0
+            da = 0.0
+            if do_drop:
+                rk = dropout_row_key(seed, bh, i0 + r)
+                for j in range(n):
+                    p = exp2v(Ws[r, j] * cc - l2)
+                    ks = ik if dropout_bits(rk, j0 + j) >= thresh else zero
+                    pd = np.float64(p)
+                    za += pd
+                    t = pd * np.float64(Wz[r, j] * ks)
+                    da += t if p != zero else 0.0
+            else:
+                for j in range(n):
+                    p = exp2v(Ws[r, j] * cc - l2)
+                    pd = np.float64(p)
+                    za += pd
+                    t = pd * np.float64(Wz[r, j])
+                    da += t if p != zero else 0.0
+            zs[r] += za
+            ds[r] += da
+    for r in range(nq):
+        z = zs[r]
+        if z > 0.0:
+            Iz[rowoff + r] = fcast(q, 1.0 / z)
+            Dd[rowoff + r] = fcast(q, ds[r] / z)
+        else:                                   # no key (P = 0 everywhere) or NaN
+            Iz[rowoff + r] = fcast(q, 0.0) if z == 0.0 else fcast(q, z)
+            Dd[rowoff + r] = fcast(q, 0.0) if z == 0.0 else fcast(q, z)
+
+
+@njit(cache=True, fastmath=FM, nogil=True)
 def _backward_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
                    alibi, scale, softcap, q_offset, win_left, win_right, dropout_p, seed,
-                   dout, lse2, Dd, dq, dk, dv, Bq, Bk, dqp, Qa, Da, Qr, Dr, Kb, Vb, Ws, Wz,
+                   dout, lse2, Dd, Iz, dq, dk, dv, Bq, Bk, dqp, Qa, Da, Qr, Dr, Kb, Vb, Ws, Wz,
                    Wg, Wdk, Wdv, Wdq, Vs):
     wide_vectors()
     B, Hq, L, E = q.shape
@@ -160,7 +278,7 @@ def _backward_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool, mask_float
                                   band_partial, win_left, win_right, Wg, True)
                 b_qk(Wz, TB, Da, aoff * Evld, dof, rowoff * Ev, Ev, ntq, nq, Vb, vf,
                      vbase + j0 * Ev, n, ab)
-                tile_grad(Ws, Wz, Wg, nq, n, c_exp, lse2, Dd, rowoff, use_cap, do_drop, seed,
+                tile_grad(Ws, Wz, Wg, nq, n, c_exp, lse2, Dd, Iz, rowoff, use_cap, do_drop, seed,
                           bh, i0, j0, thresh, inv_keep)
                 b_tn(Wdv, TB, Evp // MR, Ev, Dr, aoff * Evp, Evp, dof, rowoff * Ev, Ev, Wz, TB,
                      nq, n, ab)
@@ -213,7 +331,7 @@ def _merge_dq(bk, nchunks, dqp, dq, Hkv, g, L, E, Bq, Lp, sc, tmp):
 @njit(parallel=True, cache=True, nogil=True)
 def _backward_kernel(q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi, scale,
                      softcap, q_offset, win_left, win_right, dropout_p, seed, dout, out, lse,
-                     dq, dk, dv, Bq, Bk, csize, nch, nthreads, dqp, Dd, lse2,
+                     dq, dk, dv, Bq, Bk, csize, nch, nthreads, dqp, Dd, lse2, Iz, zsum,
                      wQ, wD, wQr, wDr, wK, wV, wS, wZ, wG, wdk, wdv, wdq, wVs):
     B, Hq, L, E = q.shape
     Hkv = k.shape[1]
@@ -223,7 +341,20 @@ def _backward_kernel(q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi
     nr = min(R, 4 * nthreads)
     per = (R + nr - 1) // nr
     for x in prange(nr):
-        _rows_prologue(x * per, min(R, x * per + per), dout, out, lse, kappa, Dd, lse2)
+        _rows_prologue(x * per, min(R, x * per + per), lse, kappa, lse2)
+    # per query block: Z = sum_j P and D = sum_j P dP from the tiles (_norm_unit)
+    nqb = (L + Bq - 1) // Bq
+    n_units = B * Hq * nqb
+    ucount = np.zeros(1, np.int64)
+    for w in prange(min(nthreads, n_units)):
+        while True:
+            u = atomic_next(ucount)
+            if u >= n_units:
+                break
+            _norm_unit(u, q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi, scale,
+                       softcap, q_offset, win_left, win_right, dropout_p, seed, dout, lse2, Dd,
+                       Iz, Bq, Bk, wQ[w], wD[w], wK[w], wV[w], wS[w], wZ[w], wG[w], zsum[w, 0],
+                       zsum[w, 1])
     n_items = B * Hkv * nch
     dkf = dk.reshape(-1)
     dvf = dv.reshape(-1)
@@ -237,11 +368,10 @@ def _backward_kernel(q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi
                 break
             _backward_item(it, nch, csize, q, k, v, mask_kind, mask_bool, mask_float,
                            has_alibi, alibi, scale, softcap, q_offset, win_left, win_right,
-                           dropout_p, seed, dout, lse2, Dd, dq, dkf, dvf, Bq, Bk, dqp,
+                           dropout_p, seed, dout, lse2, Dd, Iz, dq, dkf, dvf, Bq, Bk, dqp,
                            wQ[w], wD[w], wQr[w], wDr[w], wK[w], wV[w], wS[w], wZ[w], wG[w],
                            wdk[w], wdv[w], wdq[w], wVs[w])
     if nch > 1:
-        nqb = (L + Bq - 1) // Bq
         Lp = nqb * (((Bq + MR - 1) // MR) * MR)
         for x in prange(B * Hkv):
             tmp = np.empty(dqp.shape[1], q.dtype)
@@ -324,7 +454,10 @@ def backward(q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi, scale,
         ws = workspace(q.dtype, T, g, L, E, Ev, Bq, Bk, softcap, n_items, nc)
         Dd = np.empty(B * Hq * L, q.dtype)
         lse2 = np.empty(B * Hq * L, q.dtype)
+        Iz = np.empty(B * Hq * L, q.dtype)
+        zsum = np.empty((T, 2, -(-Bq // MR) * MR))
         _backward_kernel(q, k, v, int(mask_kind), mask_bool, mask_float, bool(has_alibi), alibi,
                          float(scale), float(softcap), int(q_offset), int(win_left),
                          int(win_right), float(dropout_p), int(seed), dout, out, lse, dq, dk, dv,
-                         Bq, Bk, csize, nc, T, ws[0], Dd, lse2, *ws[1:])
+                         Bq, Bk, csize, nc, T, ws[0], Dd, lse2, Iz, zsum,
+                         *ws[1:])
