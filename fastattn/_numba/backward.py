@@ -10,7 +10,7 @@ a dq accumulator of the item's own. Nothing is shared between items except
 the read-only inputs, so the result does not depend on thread timing: no
 atomics, and every sum runs in a fixed order.
 
-Before that, a pass over (query head, query block) units takes each row's
+Before that, a pass over (batch, kv head, chunk of query blocks) units takes each row's
 Z = sum_j P and D = sum_j P dP from the same tiles (QK^T and dO V^T, scores
 by the same code), and the main pass uses P/Z and dS = (P/Z)(dP - D/Z), as
 the Cython kernel does: with P from the given float32 lse and D from
@@ -55,29 +55,38 @@ def _rows_prologue(r0, r1, lse, kappa, lse2):
 
 
 @njit(cache=True, fastmath=FM, nogil=True)
-def _norm_unit(u, q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi, scale, softcap,
-               q_offset, win_left, win_right, dropout_p, seed, dout, lse2, Dd, Iz, Bq, Bk,
-               Qa, Da, Kb, Vb, Ws, Wz, Wg, zs, ds):
-    """Row sums of the tiles the main pass recomputes, for query block u of
-    (batch, head): Z = sum_j P (P = 2**(S*c - lse2), lse as given) and
-    D = sum_j P dP (dP with dropout's keep/(1-p)), in float64, over every key
-    the row sees, with the main pass's own score code (same bits). Writes
-    Iz = 1/Z and Dd = D/Z, so the main pass uses P/Z and dS = (P/Z)(dP - D/Z):
-    errors of the given lse (it scales the whole row) and of `out` (D from
-    rowsum(dO*O) cancels against dP where a row's attention sits on one key)
-    do not reach the gradients."""
+def _norm_unit(u, nqc, q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi, scale,
+               softcap, q_offset, win_left, win_right, dropout_p, seed, dout, lse2, Dd, Iz, Bq,
+               Bk, Qa, Da, Kb, Vb, Ws, Wz, Wg, zs, ds):
+    """Row sums of the tiles the main pass recomputes: Z = sum_j P
+    (P = 2**(S*c - lse2), lse as given) and D = sum_j P dP (dP with dropout's
+    keep/(1-p)), in float64, over every key a row sees, with the main pass's
+    own score code (same bits). Writes Iz = 1/Z and Dd = D/Z, so the main pass
+    uses P/Z and dS = (P/Z)(dP - D/Z): errors of the given lse (its rounding
+    scales a whole row of P) and of `out` (D from rowsum(dO*O) cancels against
+    dP where a row's attention sits on one key) do not reach the gradients.
+    Unit u = (batch, kv head, chunk c of the query blocks, nqc chunks): the
+    query blocks of chunk c of every head of the group, key blocks outer, so
+    each K/V block is packed once per unit (as in _backward_item)."""
     wide_vectors()
     B, Hq, L, E = q.shape
     Hkv = k.shape[1]
     S = k.shape[2]
     Ev = v.shape[3]
     g = Hq // Hkv
+    Eld = max(E, 1)
+    Evld = max(Ev, 1)
     nqb = (L + Bq - 1) // Bq
-    bh = u // nqb
-    qb = u - bh * nqb
-    b = bh // Hq
-    h = bh - b * Hq
-    hk = h // g
+    Bqp = ((Bq + MR - 1) // MR) * MR
+    Lp = nqb * Bqp
+    TB = Ws.shape[1]
+    bk = u // nqc
+    c = u - bk * nqc
+    b = bk // Hkv
+    hk = bk - b * Hkv
+    cs = (nqb + nqc - 1) // nqc
+    qb_lo = c * cs
+    qb_hi = min(nqb, qb_lo + cs)
     qf = q.reshape(-1)
     kf = k.reshape(-1)
     vf = v.reshape(-1)
@@ -102,70 +111,95 @@ def _norm_unit(u, q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi, s
     ab[1] = zero
     kbase = (b * Hkv + hk) * S * E
     vbase = (b * Hkv + hk) * S * Ev
-    slope = fcast(q, alibi[b if Ba > 1 else 0, h]) if has_alibi else zero
-    i0 = qb * Bq
-    nq = min(Bq, L - i0)
-    ntq = (nq + MR - 1) // MR
-    rowoff = bh * L + i0
-    b_pack_a(qf, rowoff * E, nq, E, Qa, 0)
-    b_pack_a(dof, rowoff * Ev, nq, Ev, Da, 0)
-    for r in range(nq):
-        zs[r] = 0.0
-        ds[r] = 0.0
-    pos_first = i0 + q_offset
-    pos_last = i0 + nq - 1 + q_offset
-    for j0 in range(0, S, Bk):
+    if qb_lo >= qb_hi:
+        return
+    # keys any row of the unit can see
+    s_lo = max(0, qb_lo * Bq + q_offset - win_left)
+    s_hi = min(S, min(L, qb_hi * Bq) - 1 + q_offset + win_right + 1)
+    for hh in range(g):
+        h = hk * g + hh
+        for qb in range(qb_lo, qb_hi):
+            i0 = qb * Bq
+            nq = min(Bq, L - i0)
+            rowoff = (b * Hq + h) * L + i0
+            b_pack_a(qf, rowoff * E, nq, E, Qa, (hh * Lp + qb * Bqp) * Eld)
+            b_pack_a(dof, rowoff * Ev, nq, Ev, Da, (hh * Lp + qb * Bqp) * Evld)
+            for r in range(nq):
+                zs[hh * Lp + qb * Bqp + r] = 0.0
+                ds[hh * Lp + qb * Bqp + r] = 0.0
+    j_first = (s_lo // Bk) * Bk
+    for j0 in range(j_first, max(s_hi, j_first), Bk):
         n = min(Bk, S - j0)
-        if j0 + n - 1 < pos_first - win_left or j0 > pos_last + win_right:
-            continue
-        mbase = b * sB + h * sH + i0 * sL + j0 * sS
-        mstat = 1
-        if mask_kind == 1:
-            mstat = block_status_bool(mbf, mbase, sL, sS, nq, n)
-        elif mask_kind == 2:
-            mstat = block_status_float(mff, mbase, sL, sS, nq, n)
-        if mstat == 0:
-            continue
-        band_partial = (j0 < pos_last - win_left) or (j0 + n - 1 > pos_first + win_right)
         b_pack_b(kf, kbase + j0 * E, n, E, Kb)
         b_pack_b(vf, vbase + j0 * Ev, n, Ev, Vb)
-        b_qk(Ws, Ws.shape[1], Qa, 0, qf, rowoff * E, E, ntq, nq, Kb, kf, kbase + j0 * E, n, ab)
-        if always_rows or band_partial or mstat == 2:
-            tile_pipeline(Ws, 0, nq, n, j0, pos_first, to_nat, scale, use_cap, softcap,
-                          has_alibi, slope, mask_kind, mbf, mff, mbase, sL, sS, mstat,
-                          band_partial, win_left, win_right, Wg, False)
-        b_qk(Wz, Wz.shape[1], Da, 0, dof, rowoff * Ev, Ev, ntq, nq, Vb, vf, vbase + j0 * Ev,
-             n, ab)
-        for r in range(nq):
-            l2 = lse2[rowoff + r]
-            za = 0.0
-            da = 0.0
-            if do_drop:
-                rk = dropout_row_key(seed, bh, i0 + r)
-                for j in range(n):
-                    p = exp2v(Ws[r, j] * cc - l2)
-                    ks = ik if dropout_bits(rk, j0 + j) >= thresh else zero
-                    pd = np.float64(p)
-                    za += pd
-                    t = pd * np.float64(Wz[r, j] * ks)
-                    da += t if p != zero else 0.0
-            else:
-                for j in range(n):
-                    p = exp2v(Ws[r, j] * cc - l2)
-                    pd = np.float64(p)
-                    za += pd
-                    t = pd * np.float64(Wz[r, j])
-                    da += t if p != zero else 0.0
-            zs[r] += za
-            ds[r] += da
-    for r in range(nq):
-        z = zs[r]
-        if z > 0.0:
-            Iz[rowoff + r] = fcast(q, 1.0 / z)
-            Dd[rowoff + r] = fcast(q, ds[r] / z)
-        else:                                   # no key (P = 0 everywhere) or NaN
-            Iz[rowoff + r] = fcast(q, 0.0) if z == 0.0 else fcast(q, z)
-            Dd[rowoff + r] = fcast(q, 0.0) if z == 0.0 else fcast(q, z)
+        for hh in range(g):
+            h = hk * g + hh
+            bh = b * Hq + h
+            slope = fcast(q, alibi[b if Ba > 1 else 0, h]) if has_alibi else zero
+            for qb in range(qb_lo, qb_hi):
+                i0 = qb * Bq
+                nq = min(Bq, L - i0)
+                ntq = (nq + MR - 1) // MR
+                pos_first = i0 + q_offset
+                pos_last = i0 + nq - 1 + q_offset
+                if j0 + n - 1 < pos_first - win_left or j0 > pos_last + win_right:
+                    continue
+                mbase = b * sB + h * sH + i0 * sL + j0 * sS
+                mstat = 1
+                if mask_kind == 1:
+                    mstat = block_status_bool(mbf, mbase, sL, sS, nq, n)
+                elif mask_kind == 2:
+                    mstat = block_status_float(mff, mbase, sL, sS, nq, n)
+                if mstat == 0:
+                    continue
+                band_partial = (j0 < pos_last - win_left) or (j0 + n - 1 > pos_first + win_right)
+                rowoff = bh * L + i0
+                aoff = hh * Lp + qb * Bqp
+                b_qk(Ws, TB, Qa, aoff * Eld, qf, rowoff * E, E, ntq, nq, Kb, kf, kbase + j0 * E,
+                     n, ab)
+                if always_rows or band_partial or mstat == 2:
+                    tile_pipeline(Ws, 0, nq, n, j0, pos_first, to_nat, scale, use_cap, softcap,
+                                  has_alibi, slope, mask_kind, mbf, mff, mbase, sL, sS, mstat,
+                                  band_partial, win_left, win_right, Wg, False)
+                b_qk(Wz, TB, Da, aoff * Evld, dof, rowoff * Ev, Ev, ntq, nq, Vb, vf,
+                     vbase + j0 * Ev, n, ab)
+                for r in range(nq):
+                    l2 = lse2[rowoff + r]
+                    za = 0.0
+                    da = 0.0
+                    if do_drop:
+                        rk = dropout_row_key(seed, bh, i0 + r)
+                        for j in range(n):
+                            p = exp2v(Ws[r, j] * cc - l2)
+                            ks = ik if dropout_bits(rk, j0 + j) >= thresh else zero
+                            pd = np.float64(p)
+                            za += pd
+                            t = pd * np.float64(Wz[r, j] * ks)
+                            da += t if p != zero else 0.0
+                    else:
+                        for j in range(n):
+                            p = exp2v(Ws[r, j] * cc - l2)
+                            pd = np.float64(p)
+                            za += pd
+                            t = pd * np.float64(Wz[r, j])
+                            da += t if p != zero else 0.0
+                    zs[aoff + r] += za
+                    ds[aoff + r] += da
+    for hh in range(g):
+        h = hk * g + hh
+        for qb in range(qb_lo, qb_hi):
+            i0 = qb * Bq
+            nq = min(Bq, L - i0)
+            rowoff = (b * Hq + h) * L + i0
+            aoff = hh * Lp + qb * Bqp
+            for r in range(nq):
+                z = zs[aoff + r]
+                if z > 0.0:
+                    Iz[rowoff + r] = fcast(q, 1.0 / z)
+                    Dd[rowoff + r] = fcast(q, ds[aoff + r] / z)
+                else:                           # no key (P = 0 everywhere) or NaN
+                    Iz[rowoff + r] = fcast(q, 0.0) if z == 0.0 else fcast(q, z)
+                    Dd[rowoff + r] = fcast(q, 0.0) if z == 0.0 else fcast(q, z)
 
 
 @njit(cache=True, fastmath=FM, nogil=True)
@@ -342,16 +376,20 @@ def _backward_kernel(q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi
     per = (R + nr - 1) // nr
     for x in prange(nr):
         _rows_prologue(x * per, min(R, x * per + per), lse, kappa, lse2)
-    # per query block: Z = sum_j P and D = sum_j P dP from the tiles (_norm_unit)
+    # Z = sum_j P and D = sum_j P dP from the tiles (_norm_unit); units (batch,
+    # kv head, chunk of query blocks), chunks only when B*Hkv alone cannot keep
+    # every thread busy
     nqb = (L + Bq - 1) // Bq
-    n_units = B * Hq * nqb
+    bhk = B * Hkv
+    nqc = 1 if bhk >= 2 * nthreads else min(nqb, (2 * nthreads + bhk - 1) // bhk)
+    n_units = bhk * nqc
     ucount = np.zeros(1, np.int64)
     for w in prange(min(nthreads, n_units)):
         while True:
             u = atomic_next(ucount)
             if u >= n_units:
                 break
-            _norm_unit(u, q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi, scale,
+            _norm_unit(u, nqc, q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi, scale,
                        softcap, q_offset, win_left, win_right, dropout_p, seed, dout, lse2, Dd,
                        Iz, Bq, Bk, wQ[w], wD[w], wK[w], wV[w], wS[w], wZ[w], wG[w], zsum[w, 0],
                        zsum[w, 1])
@@ -455,7 +493,7 @@ def backward(q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi, scale,
         Dd = np.empty(B * Hq * L, q.dtype)
         lse2 = np.empty(B * Hq * L, q.dtype)
         Iz = np.empty(B * Hq * L, q.dtype)
-        zsum = np.empty((T, 2, -(-Bq // MR) * MR))
+        zsum = np.empty((T, 2, g * -(-L // Bq) * (-(-Bq // MR) * MR)))
         _backward_kernel(q, k, v, int(mask_kind), mask_bool, mask_float, bool(has_alibi), alibi,
                          float(scale), float(softcap), int(q_offset), int(win_left),
                          int(win_right), float(dropout_p), int(seed), dout, out, lse, dq, dk, dv,
