@@ -180,3 +180,24 @@ def test_numba_without_a_writable_cache_still_works():
     available, close, cache_dir = res.stdout.split()
     assert available == "True" and close == "True"
     assert os.path.basename(cache_dir).startswith("fastattn-numba-cache-")
+
+
+def test_source_tree_without_the_extension_says_so(tmp_path):
+    """`python -m ...` from a source checkout imports the tree's fastattn/, which has no compiled
+    extension unless built in place: cython's reason says so and how to get the real one."""
+    import shutil
+
+    shutil.copytree(os.path.dirname(fa.__file__), tmp_path / "fastattn",
+                    ignore=shutil.ignore_patterns("_cykernels*", "__pycache__"))
+    (tmp_path / "csrc").mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTATTN_") and k != "PYTHONPATH"}
+    # (a development install's editable finder would find the real extension for the copy too)
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path "
+            "if '__editable__' not in getattr(f, '__module__', '')]\n"
+            "import fastattn; print(fastattn.__file__); print(fastattn.backends()['cython'].reason)")
+    res = subprocess.run([sys.executable, "-c", code],
+                         cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    where, reason = res.stdout.splitlines()[:2]
+    assert where.startswith(str(tmp_path))
+    assert "source tree" in reason and "build_ext --inplace" in reason

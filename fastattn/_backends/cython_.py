@@ -12,6 +12,9 @@ from .. import _process
 from ._compiled import CompiledBackend
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def _import_kernels():
     """Import the extension with libgomp waiting passively unless the user chose otherwise.
 
@@ -25,6 +28,14 @@ def _import_kernels():
         os.environ["OMP_WAIT_POLICY"] = "passive"
     try:
         from .. import _cykernels
+    except ImportError as exc:
+        if os.path.isdir(os.path.join(os.path.dirname(_PACKAGE_DIR), "csrc")):
+            raise ImportError(
+                f"{exc}; this fastattn is the source tree at {_PACKAGE_DIR} (imported from the "
+                "current directory?), where the extension is not built: run from another "
+                "directory to use the installed package, or build it here with "
+                "`python setup.py build_ext --inplace`") from exc
+        raise
     finally:
         if set_here:
             os.environ.pop("OMP_WAIT_POLICY", None)

@@ -137,7 +137,7 @@ PRESETS = {
         note="tiny shapes that only check the machinery (the test suite runs it)"),
     "quick": Preset(
         "quick",
-        tuple(_sweep("fwd d=64", "fwd", (256, 1024))
+        tuple(_sweep("fwd d=64", "fwd", (1024,))
               + _sweep("fwd d=64 causal", "fwd", (1024,), causal=True)
               + _decode((8192,))
               + _sweep("bwd d=64", "bwd", (512,))),

@@ -47,12 +47,24 @@ def _rss_bytes(pid: int) -> int:
     return 0
 
 
+def _package_root() -> str:
+    """The directory holding the fastattn package this process imported.
+
+    Workers run there: `python -m` puts the working directory first on sys.path, so a worker
+    started in a source checkout would import the tree's fastattn/ (without its compiled
+    extension) instead of the installed package this process measures.
+    """
+    import fastattn
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
+
+
 def run_worker(spec: dict, timeout: float, mem_limit: float) -> dict:
     """Run one worker; its result dict, or {"error": ...} saying what went wrong."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([sys.executable, "-m", "fastattn.bench.worker", json.dumps(spec)],
                                 env=worker_env(int(spec["threads"])), stdout=out, stderr=err,
-                                stdin=subprocess.DEVNULL)
+                                stdin=subprocess.DEVNULL, cwd=_package_root())
         start, killed = time.monotonic(), None
         # Poll rather than wait: the machine is shared, so a run that would eat all memory is
         # stopped at the cap (and recorded) before the kernel's OOM killer picks a victim.
