@@ -57,3 +57,14 @@ def check_sdpa(q, k, v, backend, **kw):
     assert_close_to_reference(out, ref_out, naive_out, low if q.dtype != np.float16 else np.float16, "out")
     assert_close_to_reference(lse, ref_lse, naive_lse, low, "lse")
     return out, lse
+
+
+def package_root() -> str:
+    """Where the fastattn under test lives: the working directory for `python -c`/`-m` children,
+    which put their working directory first on sys.path. Run from a source checkout, they would
+    otherwise import the tree's fastattn/ (without its compiled extension), not this one."""
+    import os
+
+    import fastattn
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))

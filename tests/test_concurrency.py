@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import randn
+from helpers import package_root, randn
 
 import fastattn as fa
 from fastattn import reference
@@ -65,7 +65,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
 
 def _fork(parent, child):
     return subprocess.run([sys.executable, "-c", FORK_CHILD, parent, child], timeout=120,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, cwd=package_root())
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")

@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+from helpers import package_root
 
 import fastattn as fa
 from fastattn import _backends as B
@@ -140,12 +141,12 @@ def _run(code, **env):
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("FASTATTN_")}
     full_env.update(env)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env,
-                          timeout=120)
+                          timeout=120, cwd=package_root())
 
 
 def test_info_cli():
     res = subprocess.run([sys.executable, "-m", "fastattn", "info"], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, cwd=package_root())
     assert res.returncode == 0, res.stderr
     for name in ("cython", "numba", "numpy"):
         assert f"  {name}: " in res.stdout
@@ -175,7 +176,7 @@ def test_numba_without_a_writable_cache_still_works():
     # the only locator left is the user-provided one, and no directory is provided
     env["NUMBA_CACHE_LOCATOR_CLASSES"] = "UserProvidedCacheLocator"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=300)
+                         timeout=300, cwd=package_root())
     assert res.returncode == 0, res.stderr
     available, close, cache_dir = res.stdout.split()
     assert available == "True" and close == "True"

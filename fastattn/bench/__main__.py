@@ -86,8 +86,9 @@ def main(argv=None) -> int:
     print(f"fastattn bench, preset {preset.name}: {len(case_list)} cases x {len(impls)} "
           f"implementations x {runner.rounds} rounds, {args.threads} threads -> {out_dir}",
           file=sys.stderr)
-    runner.progress = Progress(runner.steps(case_list, sum(preset.probes)))
     start = time.monotonic()
+    runner.warm_jit(case_list)
+    runner.progress = Progress(runner.steps(case_list, sum(preset.probes)))
     probe_runs = runner.run_probes(preset.probes[0])
     records = [None] * len(case_list)
     for n, i in enumerate(cost_order(case_list)):

@@ -12,6 +12,8 @@ timeout or an out-of-memory, larger cases of the same sweep are skipped for that
 """
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import json
 import os
 import statistics
@@ -121,6 +123,31 @@ class Runner:
         if case is not None:
             spec["case"] = case.to_dict()
         return spec
+
+    def warm_jit(self, case_list) -> None:
+        """Compile the JIT implementations' kernels before anything is timed, all at once.
+
+        numba compiles a kernel family the first time a process calls it (15-30 s each) and
+        caches it on disk; the timed workers would otherwise do it one after the other, in
+        their untimed warm-up calls. One small case per kind of call (forward, decode,
+        backward) compiles the same specializations: the kernels' argument types do not
+        depend on the sizes. With a warm cache this costs about a second.
+        """
+        jit = [i for i in self.impls if i == "fastattn-numba"]
+        kinds = {}
+        for c in case_list:
+            key = (c.kind, c.is_decode)
+            if key not in kinds:
+                L = c.L if c.is_decode else min(c.L, 64)
+                kinds[key] = dataclasses.replace(c, L=L, S=min(c.S, 128))
+        jobs = [(impl, case) for impl in jit for case in kinds.values()]
+        if not jobs:
+            return
+        print(f"compiling (or loading from cache) {', '.join(jit)}'s kernels ...", file=sys.stderr)
+        warm = dict(min_time=0.0, max_repeats=1)
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+            list(pool.map(lambda job: run_worker({**self._spec(job[0], job[1]), **warm},
+                                                 self.timeout, self.mem_limit), jobs))
 
     def _tick(self, label: str) -> None:
         if self.progress:
