@@ -143,7 +143,8 @@ PRESETS = {
               + _sweep("bwd d=64", "bwd", (512,))),
         rounds=2, min_time=0.1, max_repeats=3, timeout=60.0,
         out_dir="bench/out",
-        note="a first look in about a minute (the first run adds numba's one-time compile, ~1.5 min); use --preset full for the record"),
+        note="a first look in about a minute (about two on the first run, while numba "
+             "compiles its kernels); use --preset full for the record"),
     "full": Preset(
         "full",
         tuple(_sweep("fwd d=64", "fwd", _FULL_L)
