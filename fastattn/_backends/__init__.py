@@ -96,9 +96,9 @@ def auto_order(problem, op: str) -> list[str]:
     """Backends to try under "auto", fastest first, for this op and shape.
 
     The order comes from side-by-side measurements, recorded in bench/results/auto_order.md:
-    cython was as fast as or faster than numba in every shape class measured (decode 1.5-2x,
-    backward and small batches 5-20%, long forward within noise either way) and has no JIT
-    wait, so one order serves every op and shape. The function stays per (problem, op) so a
+    cython was as fast as or faster than numba in every shape class measured (decode, backward,
+    small batches; long forward within noise either way) and has no JIT wait, so one order
+    serves every op and shape. The function stays per (problem, op) so a
     shape class that measures differently can get its own order here.
     """
     return ["cython", "numba", "numpy"]
