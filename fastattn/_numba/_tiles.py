@@ -43,6 +43,14 @@ def mask_strides(m, B, H, L, S):
 
 
 @njit(fastmath=FM)
+def active_mask_strides(mask_kind, mask_bool, mask_float, B, H, L, S):
+    """Strides of whichever mask the call has (kind 1: bool; else float, a dummy when none)."""
+    if mask_kind == 1:
+        return mask_strides(mask_bool, B, H, L, S)
+    return mask_strides(mask_float, B, H, L, S)
+
+
+@njit(fastmath=FM)
 def tile_pipeline(S, r0, r1, n, j0, pos0, to_nat, scale, use_cap, softcap,
                   has_alibi, slope, mask_kind, mbf, mff, mbase, sL, sS, mstat,
                   band_partial, win_left, win_right, Gc, save_grad):

@@ -38,8 +38,8 @@ from ._exp import exp2v
 from ._hash import dropout_bits, dropout_row_key, dropout_threshold_nb
 from ._intrinsics import FM, atomic_next, fcast, wide_vectors
 from ._tiles import (
-    block_all_finite, block_status_bool, block_status_float, mask_strides, score_units, tile_grad,
-    tile_pipeline)
+    active_mask_strides, block_all_finite, block_status_bool, block_status_float, score_units,
+    tile_grad, tile_pipeline)
 
 
 @njit(cache=True, fastmath=FM, nogil=True)
@@ -93,10 +93,7 @@ def _norm_unit(u, nqc, q, k, v, mask_kind, mask_bool, mask_float, has_alibi, ali
     dof = dout.reshape(-1)
     mbf = mask_bool.reshape(-1)
     mff = mask_float.reshape(-1)
-    if mask_kind == 1:
-        sB, sH, sL, sS = mask_strides(mask_bool, B, Hq, L, S)
-    else:
-        sB, sH, sL, sS = mask_strides(mask_float, B, Hq, L, S)
+    sB, sH, sL, sS = active_mask_strides(mask_kind, mask_bool, mask_float, B, Hq, L, S)
     Ba = alibi.shape[0]
     use_cap = softcap > 0.0
     to_nat, c_exp, kappa = score_units(q, scale, softcap, has_alibi, mask_kind)
@@ -227,10 +224,7 @@ def _backward_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool, mask_float
     dof = dout.reshape(-1)
     mbf = mask_bool.reshape(-1)
     mff = mask_float.reshape(-1)
-    if mask_kind == 1:
-        sB, sH, sL, sS = mask_strides(mask_bool, B, Hq, L, S)
-    else:
-        sB, sH, sL, sS = mask_strides(mask_float, B, Hq, L, S)
+    sB, sH, sL, sS = active_mask_strides(mask_kind, mask_bool, mask_float, B, Hq, L, S)
     Ba = alibi.shape[0]
     use_cap = softcap > 0.0
     to_nat, c_exp, kappa = score_units(q, scale, softcap, has_alibi, mask_kind)

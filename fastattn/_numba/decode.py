@@ -18,7 +18,7 @@ from ._exp import exp2v
 from ._hash import dropout_threshold_nb
 from ._intrinsics import FM, atomic_next, fcast, fmax_nan, wide_vectors
 from ._tiles import (
-    block_all_finite, block_status_bool, block_status_float, mask_strides, pv_nonfinite,
+    active_mask_strides, block_all_finite, block_status_bool, block_status_float, pv_nonfinite,
     score_units, tile_dropout, tile_online, tile_pipeline)
 from ._gemm import MR, dec_qk, gemm_pv
 
@@ -81,10 +81,7 @@ def _decode_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool,
     vf = v.reshape(-1)
     mbf = mask_bool.reshape(-1)
     mff = mask_float.reshape(-1)
-    if mask_kind == 1:
-        sB, sH, sL, sS = mask_strides(mask_bool, B, Hq, L, S)
-    else:
-        sB, sH, sL, sS = mask_strides(mask_float, B, Hq, L, S)
+    sB, sH, sL, sS = active_mask_strides(mask_kind, mask_bool, mask_float, B, Hq, L, S)
     Ba = alibi.shape[0]
     use_cap = softcap > 0.0
     # natural scores only where softcap/ALiBi/float mask need them (_tiles.py)

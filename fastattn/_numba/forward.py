@@ -20,7 +20,7 @@ from ._blas import blas_single_thread, gemm_nn, gemm_nt, numba_threads, prime_bl
 from ._hash import dropout_threshold_nb
 from ._intrinsics import FM, atomic_next, fcast, prefetch_l2, wide_vectors
 from ._tiles import (
-    block_all_finite, block_status_bool, block_status_float, mask_strides, pv_nonfinite,
+    active_mask_strides, block_all_finite, block_status_bool, block_status_float, pv_nonfinite,
     score_units, tile_dropout, tile_finalize, tile_online, tile_pipeline)
 from ._gemm import MR, PW, gemm_pv, gemm_qk, pack_k_panel, pack_q_tiles
 
@@ -153,10 +153,7 @@ def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
     of = out.reshape(-1)
     mbf = mask_bool.reshape(-1)
     mff = mask_float.reshape(-1)
-    if mask_kind == 1:
-        sB, sH, sL, sS = mask_strides(mask_bool, B, Hq, L, S)
-    else:
-        sB, sH, sL, sS = mask_strides(mask_float, B, Hq, L, S)
+    sB, sH, sL, sS = active_mask_strides(mask_kind, mask_bool, mask_float, B, Hq, L, S)
     Ba = alibi.shape[0]
 
     use_cap = softcap > 0.0
