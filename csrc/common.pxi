@@ -70,6 +70,7 @@ cdef extern from "fa_kernels.h" nogil:
                               float keep_scale) noexcept nogil
         void (*transpose)(const float *src, ptrdiff_t lds, ptrdiff_t R, ptrdiff_t C, float *dst,
                           ptrdiff_t ldd) noexcept nogil
+        void (*scale_row)(const float *x, float *out, ptrdiff_t n, double s) noexcept nogil
 
     ctypedef struct fa_ops_d:
         int vw, mr, nv
@@ -124,6 +125,7 @@ cdef extern from "fa_kernels.h" nogil:
                               double keep_scale) noexcept nogil
         void (*transpose)(const double *src, ptrdiff_t lds, ptrdiff_t R, ptrdiff_t C, double *dst,
                           ptrdiff_t ldd) noexcept nogil
+        void (*scale_row)(const double *x, double *out, ptrdiff_t n, double s) noexcept nogil
 
     const fa_ops_f *FA_OPS_F
     int FA_BWD_LDS
@@ -326,6 +328,14 @@ cdef inline void k_transpose(const floating *src, ptrdiff_t lds, ptrdiff_t R, pt
         FA_OPS_F.transpose(src, lds, R, C, dst, ldd)
     else:
         FA_OPS_D.transpose(src, lds, R, C, dst, ldd)
+
+
+cdef inline void k_scale_row(const floating *x, floating *out, ptrdiff_t n,
+                             double s) noexcept nogil:
+    if floating is float:
+        FA_OPS_F.scale_row(x, out, n, s)
+    else:
+        FA_OPS_D.scale_row(x, out, n, s)
 
 
 # ---- small helpers ------------------------------------------------------------------------

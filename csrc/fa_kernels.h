@@ -66,6 +66,7 @@ typedef struct {                                                                
                           const uint32_t *rk, uint32_t thresh, T keep_scale);               \
     void (*transpose)(const T *src, ptrdiff_t lds, ptrdiff_t R, ptrdiff_t C, T *dst,         \
                       ptrdiff_t ldd);                                                       \
+    void (*scale_row)(const T *x, T *out, ptrdiff_t n, double s);                          \
 } fa_ops_##TS;
 
 /* Row stride (elements) of the backward's score tiles: a compile-time constant so that the

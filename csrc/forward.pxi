@@ -163,15 +163,24 @@ cdef void start_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t rows, p
             src = <const floating *>p.q + w.orow[r] * E
             for e in range(E):
                 Qt[r * ldq + e] = src[e]
-    for r in range(0 if dot else W):
+    # Panels by runs of consecutive query rows (a forward item is one run; decode lanes are
+    # (head, query) pairs, consecutive within a GQA group): the 4x4-blocked transpose packs
+    # ~4x faster than the element loop it replaced (~5% of a B=4 H=8 L=256 forward).
+    cdef ptrdiff_t run
+    r = 0
+    while not dot and r < W:
         dst = Qt + (r // pw) * pw * E + r % pw
         if r < rows:
-            src = <const floating *>p.q + w.orow[r] * E
-            for e in range(E):
-                dst[e * pw] = src[e]
+            run = 1
+            while (r + run < rows and (r + run) % pw != 0
+                   and w.orow[r + run] == w.orow[r] + run):
+                run += 1
+            k_transpose(<const floating *>p.q + w.orow[r] * E, E, run, E, dst, pw)
+            r += run
         else:
             for e in range(E):
                 dst[e * pw] = 0
+            r += 1
     for r in range(p.Wcap):
         m[r] = -INFINITY
         l[r] = 0
@@ -247,8 +256,7 @@ cdef void finish_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t rows) 
         if l[r] > 0:
             # in double: one rounding per output element (float32: O * (1/l) rounded twice)
             inv = p.keep_scale / l[r]
-            for c in range(Ev):
-                o[c] = <floating>(O[r * p.ldo + c] * inv)
+            k_scale_row(O + r * p.ldo, o, Ev, inv)
             lse[w.orow[r]] = m[r] + log(l[r])
         else:
             for c in range(Ev):
