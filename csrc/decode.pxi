@@ -11,16 +11,19 @@
 
 from libc.math cimport exp
 
-# keys per block: small enough that a block's V (96 x Ev floats) stays in L1 across the P·V
-# column panels (2 threads: Bk 64/128 reached 22.7/22.3 GB/s = DRAM bandwidth, 256 only
-# 19.1), a multiple of the 12-row key strip so fa_qk never copies a tail strip
-cdef ptrdiff_t DEC_BK = 96
+# keys per block: small enough that a block's V (Bk x Ev floats) stays in L1 across the P·V
+# column panels, a multiple of the 12-row key strip so fa_qk never copies a tail strip.
+# With the next block's prefetch spread over the compute (attend_rows' slices), 48 keys
+# streamed Hq=32/Hkv=8 S=16384 d=128 at 12.9 GB/s median against 12.4 for 96 and 11.5 for
+# 96 with one prefetch burst per block (the old scheme), interleaved in one process
+# (2-thread numpy gemv over the same K/V: 13-17 GB/s on this shared machine).
+cdef ptrdiff_t DEC_BK = 48
 cdef ptrdiff_t DEC_RCAP = 192        # lanes per item (query rows of one KV group)
 cdef ptrdiff_t DEC_MIN_CHUNK = 1024  # do not split keys finer than this
 cdef bint DEC_USE_DOT = True
 
 
-def set_decode_options(ptrdiff_t bk=96, bint use_dot=True):
+def set_decode_options(ptrdiff_t bk=48, bint use_dot=True):
     """Experimentation hook: keys per block, dot-product scores for <= 4 rows."""
     global DEC_BK, DEC_USE_DOT
     DEC_BK = bk
@@ -201,3 +204,12 @@ def decode(const floating[:, :, :, ::1] q, const floating[:, :, :, ::1] k,
         rc = run_decode(&p, <floating *>NULL, n_threads)
     if rc != 0:
         raise MemoryError("attention kernel: could not allocate decode scratch")
+
+
+def set_prefetch_slices(ptrdiff_t qk, ptrdiff_t pv):
+    """Experimentation hook: keys per slice between decode's prefetches (attend_rows)."""
+    global PF_QK, PF_PV
+    if qk <= 0 or qk % 12 or pv <= 0 or pv % 32:
+        raise ValueError("qk must be a positive multiple of 12, pv of 32")
+    PF_QK = qk
+    PF_PV = pv

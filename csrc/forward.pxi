@@ -46,6 +46,10 @@ ctypedef struct AttnProblem:
 cdef ptrdiff_t FWD_BQ = 192
 cdef ptrdiff_t FWD_BQ_BANDED = 96
 cdef ptrdiff_t FWD_BK = 256
+# Decode's slices between prefetches (attend_rows): multiples of 12 (the key strip of fa_qk)
+# and 32 (fa_pv's summation chunk).
+cdef ptrdiff_t PF_QK = 12
+cdef ptrdiff_t PF_PV = 32
 
 def set_blocks(ptrdiff_t bq, ptrdiff_t bk, ptrdiff_t bq_banded=96):
     """Experimentation hook: query rows per item (multiples of 96) and keys per block."""
@@ -198,25 +202,32 @@ cdef void attend_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, ptr
     cdef ptrdiff_t E = p.E, Ev = p.Ev, lds = p.lds, n, i
     cdef int64_t j0 = jlo
     cdef bint win_partial, masked, clean, exact
-    cdef ptrdiff_t n2
+    cdef ptrdiff_t n2, s0, ns
     while j0 < jhi:
         n = p.Bk if jhi - j0 > p.Bk else jhi - j0
-        n2 = min(p.Bk, jhi - j0 - n)             # the next block, fetched while this one runs
-        if p.prefetch and n2 > 0:
-            fa_prefetch(K + (j0 + n) * E, n2 * E * sizeof(floating))
-            fa_prefetch(V + (j0 + n) * Ev, n2 * Ev * sizeof(floating))
+        n2 = min(p.Bk, jhi - j0 - n) if p.prefetch else 0   # next block, fetched meanwhile
         # does the window/causal band cut through this block for some lane?
         win_partial = j0 < pmax - p.wl or j0 + n - 1 > pmin + p.wr
         masked = p.mask_kind != 0 or win_partial
         clean = not masked and p.softcap == 0 and not p.has_alibi
         for i in range(W):
             cmax[i] = -INFINITY
-        if dot:
-            k_qk_dot(K + j0 * E, E, n, E, <const floating *>w.Qt, round_up(E, 16),
-                     <int>rows, S, lds, p.scale)
-        else:
-            k_qk(K + j0 * E, E, n, E, <const floating *>w.Qt, W, pw_nv, S, lds,
-                 cmax if clean else NULL, <floating *>w.kpad, p.scale)
+        # Scores in slices of PF_QK keys, each followed by the prefetch of the same slice of
+        # the next block's K (decode only): spread over the compute, the prefetches keep DRAM
+        # busy while the core works, where one burst per block stalled the core on full
+        # fill buffers and left the memory idle during the compute after it.
+        s0 = 0
+        while s0 < n:
+            ns = min(PF_QK if n2 > 0 else n, n - s0)
+            if dot:
+                k_qk_dot(K + (j0 + s0) * E, E, ns, E, <const floating *>w.Qt, round_up(E, 16),
+                         <int>rows, S + s0 * lds, lds, p.scale)
+            else:
+                k_qk(K + (j0 + s0) * E, E, ns, E, <const floating *>w.Qt, W, pw_nv,
+                     S + s0 * lds, lds, cmax if clean else NULL, <floating *>w.kpad, p.scale)
+            if s0 < n2:
+                fa_prefetch(K + (j0 + n + s0) * E, min(ns, n2 - s0) * E * sizeof(floating))
+            s0 += ns
         if dot or not clean:
             # spec order: softcap, ALiBi, float mask, bool mask, window (the last three
             # replace by -inf, so NaN scores of masked keys cannot survive)
@@ -237,8 +248,19 @@ cdef void attend_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, ptr
         # 0 * NaN = NaN in the tile product: when some weight may be an exact 0 (masking,
         # dropout) and this V block holds Inf/NaN, take the zero-skipping path.
         exact = (masked or p.has_dropout) and not k_allfinite(V + j0 * Ev, n * Ev)
-        k_pv(S, lds, n, V + j0 * Ev, Ev, Ev, <floating *>w.O, p.ldo,
-             <const floating *>w.alpha, rows, exact)
+        # P·V likewise in slices of PF_PV keys (a multiple of the kernels' 32-key summation
+        # chunk, so the sums and their order are those of one call); alpha rescales O once.
+        s0 = 0
+        while s0 < n:
+            ns = min(PF_PV if n2 > 0 else n, n - s0)
+            k_pv(S + s0 * lds, lds, ns, V + (j0 + s0) * Ev, Ev, Ev, <floating *>w.O, p.ldo,
+                 <const floating *>w.alpha, rows, exact)
+            if s0 < n2:
+                fa_prefetch(V + (j0 + n + s0) * Ev, min(ns, n2 - s0) * Ev * sizeof(floating))
+            s0 += ns
+            if s0 < n:
+                for i in range(p.Wcap):
+                    (<floating *>w.alpha)[i] = 1
         j0 += n
 
 
