@@ -26,6 +26,15 @@ def test_decode_matches_reference(backend, rng, dtype, B, Hq, Hkv, L):
     check_sdpa(q, k, v, backend, enable_gqa=True, is_causal=True, causal_alignment="bottom_right")
 
 
+@pytest.mark.parametrize("Hq", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("E", [7, 33])
+def test_decode_few_rows_odd_head_dims(backend, rng, Hq, E):
+    """1-5 query rows per KV group (one row: the numba dot-product scores; more: the panels)
+    with head dims that leave vector tails."""
+    q, k, v = cache(rng, Hq=Hq, Hkv=1, S=700, E=E, Ev=E + 2)
+    check_sdpa(q, k, v, backend, enable_gqa=True)
+
+
 @pytest.mark.parametrize("S", [1, 2, 511, 512, 513, 4099])
 def test_decode_odd_cache_lengths(backend, rng, S):
     q, k, v = cache(rng, Hq=4, Hkv=2, S=S, E=16, Ev=24)

@@ -92,6 +92,24 @@ def test_qk_tile_exact_enough(E):
     assert np.sqrt((rel ** 2).mean()) < bound
 
 
+@pytest.mark.parametrize("E", [1, 7, 33, 64, 128])
+def test_decode_dot_scores_exact_enough(E):
+    """Decode's dot-product scores (one query row) sum along e in vector lanes: the same
+    accuracy bound as the panel kernel's blocked sums, and nothing written past row 0."""
+    rng = np.random.default_rng(E)
+    q = rng.standard_normal(E).astype(np.float32)
+    k = rng.standard_normal((203, E)).astype(np.float32)
+    Sb = np.full((2, 203), 7.0, np.float32)
+    _gemm.dec_qk_dot(Sb, k.reshape(-1), 0, E, 203, q)
+    assert np.all(Sb[1] == 7.0)
+    got = Sb[0].astype(np.float64)
+    exact = k.astype(np.float64) @ q.astype(np.float64)
+    mag = np.abs(k.astype(np.float64)) @ np.abs(q.astype(np.float64))
+    rel = (got - exact) / mag
+    bound = 3.2e-8 if E <= 16 else 2.4e-8 if E < 64 else 2.0e-8
+    assert np.sqrt((rel ** 2).mean()) < bound
+
+
 # ----------------------------------------------------------------------------------------------
 # the forward and backward kernels with tiny blocks and key chunks: the multi-block paths
 # (online rescaling, band edges inside blocks, skipped blocks, chunk partials) at test sizes

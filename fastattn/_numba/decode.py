@@ -7,7 +7,8 @@ processes the G*L query rows of every query head of the KV group together
 the threads busy, the keys are split into chunks (flash-decoding); each chunk
 leaves (m, l, unnormalized acc) and a final pass merges them by log-sum-exp.
 Threads claim items from an atomic counter. float32 uses the register-
-blocked kernels of _gemm.py for both products, float64 uses BLAS.
+blocked kernels of _gemm.py for both products (scores of a single query row,
+MHA decode, as dot products: _gemm.dec_qk_dot), float64 uses BLAS.
 """
 import numpy as np
 from numba import njit, prange, types
@@ -20,7 +21,7 @@ from ._intrinsics import FM, atomic_next, fcast, fmax_nan, wide_vectors
 from ._tiles import (
     active_mask_strides, block_all_finite, block_status_bool, block_status_float, pv_nonfinite,
     score_units, tile_dropout, tile_online, tile_pipeline)
-from ._gemm import MR, dec_qk, gemm_pv
+from ._gemm import MR, dec_qk, dec_qk_dot, gemm_pv
 
 
 # float32 -> the register-blocked kernels (_gemm.py), float64 -> BLAS,
@@ -42,6 +43,9 @@ def _dec_qk(Sb, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, n, ab):  # pragma: no cove
 def _dec_qk_ol(Sb, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, n, ab):
     if Sb.dtype == types.float32:
         def impl(Sb, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, n, ab):
+            if R == 1:
+                dec_qk_dot(Sb, kf, koff, E, n, Qs[0])
+                return
             for r in range(R):
                 for t in range(E):
                     Qt[t * R + r] = Qs[r, t]
