@@ -577,50 +577,53 @@ FA_FN void FN(fa_softmax_row)(const FA_T *x, const uint8_t *mask, FA_T *out, ptr
  * packs Kᵀ once per work item, where every query block of the item reuses it.  Same chunked
  * summation, scale and rounding as fa_qk: the scores are the forward's, bit for bit.  Reads
  * Kt columns up to round_up(n, FA_MR) - 1: the caller pads the rows. */
-FA_INL void FN(fa_qkt_tile_)(const int NVX, const FA_T *Kt, ptrdiff_t ldkt, const FA_T *Qp,
-                             ptrdiff_t E, FA_T *S, ptrdiff_t lds, FA_T scale)
+FA_INL void FN(fa_qkt_tile_)(const int MRX, const int NVX, const FA_T *Kt, ptrdiff_t ldkt,
+                             const FA_T *Qp, ptrdiff_t E, FA_T *S, ptrdiff_t lds, FA_T scale)
 {
-    VT acc[FA_MR][FA_NV];
+    /* NVX = 2 * FA_NV: two adjacent FA_NV-vector panels, as fa_qk_tile_ */
+    const int PV = NVX <= FA_NV ? NVX : FA_NV;      /* vectors per panel */
+    VT acc[FA_MR][2 * FA_NV];
     ptrdiff_t e0 = 0;
     do {
         const ptrdiff_t e1 = E - e0 < FA_QK_CHUNK ? E : e0 + FA_QK_CHUNK;
 #pragma GCC unroll 16
-        for (int r = 0; r < FA_MR; r++)
-#pragma GCC unroll 4
+        for (int r = 0; r < MRX; r++)
+#pragma GCC unroll 8
             for (int v = 0; v < NVX; v++) acc[r][v] = BC(0);
         const FA_T *kt = Kt + e0 * ldkt;
-        const FA_T *qp = Qp + e0 * (NVX * FA_VW);
-        for (ptrdiff_t e = e0; e < e1; e++, kt += ldkt, qp += NVX * FA_VW) {
-            VT b[FA_NV];
-#pragma GCC unroll 4
-            for (int v = 0; v < NVX; v++) b[v] = LD(qp + v * FA_VW);
+        const FA_T *qp = Qp + e0 * (PV * FA_VW);
+        for (ptrdiff_t e = e0; e < e1; e++, kt += ldkt, qp += PV * FA_VW) {
+            VT b[2 * FA_NV];
+#pragma GCC unroll 8
+            for (int v = 0; v < NVX; v++)
+                b[v] = LD(qp + (v / PV) * (PV * FA_VW) * E + (v % PV) * FA_VW);
 #pragma GCC unroll 16
-            for (int r = 0; r < FA_MR; r++) {
+            for (int r = 0; r < MRX; r++) {
                 VT a = BC(kt[r]);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
                 for (int v = 0; v < NVX; v++) acc[r][v] += a * b[v];
             }
         }
         if (e1 < E) {
 #pragma GCC unroll 16
-            for (int r = 0; r < FA_MR; r++)
-#pragma GCC unroll 4
+            for (int r = 0; r < MRX; r++)
+#pragma GCC unroll 8
                 for (int v = 0; v < NVX; v++) {
                     FA_T *dst = S + r * lds + v * FA_VW;
                     ST(dst, e0 ? LD(dst) + acc[r][v] : acc[r][v]);
                 }
         } else if (e0) {
 #pragma GCC unroll 16
-            for (int r = 0; r < FA_MR; r++)
-#pragma GCC unroll 4
+            for (int r = 0; r < MRX; r++)
+#pragma GCC unroll 8
                 for (int v = 0; v < NVX; v++) acc[r][v] += LD(S + r * lds + v * FA_VW);
         }
         e0 = e1;
     } while (e0 < E);
     const VT sc = BC(scale);
 #pragma GCC unroll 16
-    for (int r = 0; r < FA_MR; r++)
-#pragma GCC unroll 4
+    for (int r = 0; r < MRX; r++)
+#pragma GCC unroll 8
         for (int v = 0; v < NVX; v++) ST(S + r * lds + v * FA_VW, acc[r][v] * sc);
 }
 
@@ -631,13 +634,22 @@ static __attribute__((noinline)) FA_ATTR void FN(fa_qkt_full_)(const FA_T *Kt, p
                                                               const FA_T *Qp, ptrdiff_t E,
                                                               FA_T *S, FA_T scale)
 {
-    FN(fa_qkt_tile_)(FA_NV, Kt, ldkt, Qp, E, S, FA_BWD_LDS, scale);
+    FN(fa_qkt_tile_)(FA_MR, FA_NV, Kt, ldkt, Qp, E, S, FA_BWD_LDS, scale);
 }
+#if FA_MR == 12
+/* 6 keys x two adjacent panels (see fa_qk) */
+static __attribute__((noinline)) FA_ATTR void FN(fa_qkt_pair_)(const FA_T *Kt, ptrdiff_t ldkt,
+                                                              const FA_T *Qp, ptrdiff_t E,
+                                                              FA_T *S, FA_T scale)
+{
+    FN(fa_qkt_tile_)(6, 2 * FA_NV, Kt, ldkt, Qp, E, S, FA_BWD_LDS, scale);
+}
+#endif
 static __attribute__((noinline)) FA_ATTR void FN(fa_qkt_one_)(const FA_T *Kt, ptrdiff_t ldkt,
                                                              const FA_T *Qp, ptrdiff_t E,
                                                              FA_T *S, FA_T scale)
 {
-    FN(fa_qkt_tile_)(1, Kt, ldkt, Qp, E, S, FA_BWD_LDS, scale);
+    FN(fa_qkt_tile_)(FA_MR, 1, Kt, ldkt, Qp, E, S, FA_BWD_LDS, scale);
 }
 
 /* S (row stride FA_BWD_LDS) for keys j < n (rows up to round_up(n, FA_MR) are written) and
@@ -646,7 +658,16 @@ FA_FN void FN(fa_qkt)(const FA_T *Kt, ptrdiff_t ldkt, ptrdiff_t n, ptrdiff_t E,
                       const FA_T *Qt, ptrdiff_t W, int pw_nv, FA_T *S, FA_T scale)
 {
     const ptrdiff_t pw = (ptrdiff_t)pw_nv * FA_VW;
-    for (ptrdiff_t p0 = 0; p0 < W; p0 += pw) {
+    ptrdiff_t p0 = 0;
+#if FA_MR == 12
+    /* panel pairs in 6-key tiles (rows up to round_up(n, 6) are written), then an odd last
+     * panel in the 12-key tiles below; same sums, same bits */
+    if (pw_nv == FA_NV)
+        for (; p0 + 2 * pw <= W; p0 += 2 * pw)
+            for (ptrdiff_t j0 = 0; j0 < n; j0 += 6)
+                FN(fa_qkt_pair_)(Kt + j0, ldkt, Qt + p0 * E, E, S + j0 * FA_BWD_LDS + p0, scale);
+#endif
+    for (; p0 < W; p0 += pw) {
         const FA_T *Qp = Qt + p0 * E;
         for (ptrdiff_t j0 = 0; j0 < n; j0 += FA_MR) {
             if (pw_nv == FA_NV)
@@ -852,25 +873,25 @@ FA_INL void FN(fa_ptq_tile_)(const int MRX, const int NVX, const FA_T *T, ptrdif
 {
     for (ptrdiff_t i0 = 0; i0 < ni; i0 += FA_PV_CHUNK) {
         const ptrdiff_t i1 = ni - i0 < FA_PV_CHUNK ? ni : i0 + FA_PV_CHUNK;
-        VT acc[FA_PTQ_MAXR][FA_NV];
+        VT acc[FA_PTQ_MAXR][2 * FA_NV];
 #pragma GCC unroll 16
         for (int r = 0; r < MRX; r++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int v = 0; v < NVX; v++) acc[r][v] = BC(0);
         for (ptrdiff_t i = i0; i < i1; i++) {
-            VT b[FA_NV];
-#pragma GCC unroll 4
+            VT b[2 * FA_NV];
+#pragma GCC unroll 8
             for (int v = 0; v < NVX; v++) b[v] = LD(X + i * ldx + v * FA_VW);
 #pragma GCC unroll 16
             for (int r = 0; r < MRX; r++) {
                 VT a = BC(T[r * FA_BWD_LDS + i]);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
                 for (int v = 0; v < NVX; v++) acc[r][v] += a * b[v];
             }
         }
 #pragma GCC unroll 16
         for (int r = 0; r < MRX; r++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int v = 0; v < NVX; v++)
                 ST(O + r * ldo + v * FA_VW, LD(O + r * ldo + v * FA_VW) + acc[r][v]);
     }
@@ -908,6 +929,21 @@ FA_FN void FN(fa_ptq)(const FA_T *T, ptrdiff_t n, ptrdiff_t ni, const FA_T *X, p
                       ptrdiff_t C, FA_T *O, ptrdiff_t ldo)
 {
     ptrdiff_t r = 0;
+#if FA_MR == 12
+    /* 32-register ISAs: 6 rows x 4 vectors where the columns allow (as fa_pv: fewer loads
+     * per FMA, the same sums in the same order); the row tail below then starts < 6 rows
+     * from n. */
+    const ptrdiff_t c4 = C - C % (4 * FA_VW);
+    if (c4 > 0)
+        for (; r + 6 <= n; r += 6) {
+            for (ptrdiff_t c = 0; c < c4; c += 4 * FA_VW)
+                FN(fa_ptq_tile_)(6, 4, T + r * FA_BWD_LDS, ni, X + c, ldx, O + r * ldo + c,
+                                 ldo);
+            if (c4 < C)
+                FN(fa_ptq_rows_)(6, T + r * FA_BWD_LDS, ni, X + c4, ldx, C - c4,
+                                 O + r * ldo + c4, ldo);
+        }
+#endif
     for (; r + FA_MR <= n; r += FA_MR)
         FN(fa_ptq_rows_)(FA_MR, T + r * FA_BWD_LDS, ni, X, ldx, C, O + r * ldo, ldo);
     if (FA_MR > 8 && n - r >= 8) {
