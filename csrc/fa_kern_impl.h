@@ -78,9 +78,10 @@ FA_DEFINE_VEXP(FN(fa_vexp_), FA_ATTR, VT, VI, double, VMAX, FA_EXPD_LO, FA_EXPD_
 #define VEXP FN(fa_vexp_)
 
 /* ------------------------------------------------------------------ Q·Kᵀ ---------------- */
-/* One register tile: FA_MR key rows x (NVX*VW) query lanes, reduction over e.  NVX is a
- * compile-time constant at every call site (always_inline), so acc[][] lives in registers:
- * avx512/float uses 12 x 2 = 24 zmm accumulators + 2 loads + 1 broadcast.
+/* One register tile: MRX key rows x (NVX*VW) query lanes, reduction over e.  MRX and NVX are
+ * compile-time constants at every call site (always_inline), so acc[][] lives in registers:
+ * on the 32-register (AVX-512) copies fa_qk uses 6 keys x 4 vectors (two adjacent panels) =
+ * 24 zmm accumulators + 4 loads + 1 broadcast per step; the 16-register copies 6 x 2.
  * The reduction runs in chunks of FA_QK_CHUNK terms whose partial sums meet in S (as P·V
  * does): one sequential chain over all of E=128 left the scores, and with large logits the
  * outputs, up to 1.4x further from the float64 result than NumPy's (2-4 ulp on lse).  Costs

@@ -42,7 +42,8 @@ ctypedef struct AttnProblem:
 # (NOTES.md), so Bq is set by the other costs: causal/banded problems compute the upper
 # triangle of each diagonal block for nothing (a fraction Bq/L of the work), so they use 96;
 # otherwise 192 halves the per-item overheads (Qt packing, lane setup).  Multiples of 96 =
-# lcm of the tile sizes (12 rows x 32 lanes) of every ISA copy.
+# lcm of the tile sizes of every ISA copy (P·V rows: 12 or 6; Qt panels of 32 lanes, which the
+# AVX-512 Q·Kᵀ takes in pairs, an odd last panel alone).
 cdef ptrdiff_t FWD_BQ = 192
 cdef ptrdiff_t FWD_BQ_BANDED = 96
 cdef ptrdiff_t FWD_BK = 256
