@@ -155,6 +155,19 @@ FA_INL void FN(fa_qk_tile_)(const int MRX, const int NVX, const FA_T *Ks, ptrdif
     }
 }
 
+/* The key rows past the last whole strip of `strip` rows, copied into kpad (strip x E, zero
+ * padded) so a tile never reads past K.  Returns the number of keys in whole strips. */
+FA_INL ptrdiff_t FN(fa_qk_kpad_)(const FA_T *K, ptrdiff_t ldk, ptrdiff_t n, ptrdiff_t E,
+                                 ptrdiff_t strip, FA_T *kpad)
+{
+    const ptrdiff_t nfull = n - n % strip;
+    if (nfull < n)
+        for (ptrdiff_t r = 0; r < strip; r++)
+            for (ptrdiff_t e = 0; e < E; e++)
+                kpad[r * E + e] = r < n - nfull ? K[(nfull + r) * ldk + e] : (FA_T)0;
+    return nfull;
+}
+
 /* S[j][lane] = scale * sum_e K[j][e] * Qt[lane][e] for j < n and lanes < W (W multiple of pw).
  * K rows have stride ldk.  pw_nv = vectors per Qt panel (FA_NV, or 1 for narrow decode
  * blocks).  The last key strip (< FA_MR rows) is copied into kpad (FA_MR x E, zero padded)
@@ -171,11 +184,7 @@ FA_FN void FN(fa_qk)(const FA_T *K, ptrdiff_t ldk, ptrdiff_t n, ptrdiff_t E, con
      * alone on a core, 15% when the machine's other tenants load the core (measured in a
      * harness, interleaved).  Each score is the same sum in the same order: same bits. */
     if (pw_nv == FA_NV && W >= 2 * pw) {
-        const ptrdiff_t nf6 = n - n % 6;
-        if (nf6 < n)
-            for (ptrdiff_t r = 0; r < 6; r++)
-                for (ptrdiff_t e = 0; e < E; e++)
-                    kpad[r * E + e] = r < n - nf6 ? K[(nf6 + r) * ldk + e] : (FA_T)0;
+        const ptrdiff_t nf6 = FN(fa_qk_kpad_)(K, ldk, n, E, 6, kpad);
         for (ptrdiff_t p0 = 0; p0 < W; p0 += 2 * pw) {
             const FA_T *Qp = Qt + p0 * E;
             FA_T *cm = cmax ? cmax + p0 : NULL;
@@ -194,13 +203,7 @@ FA_FN void FN(fa_qk)(const FA_T *K, ptrdiff_t ldk, ptrdiff_t n, ptrdiff_t E, con
         return;
     }
 #endif
-    const ptrdiff_t nfull = n - n % FA_MR;
-    if (nfull < n) {
-        ptrdiff_t jn = n - nfull;
-        for (ptrdiff_t r = 0; r < FA_MR; r++)
-            for (ptrdiff_t e = 0; e < E; e++)
-                kpad[r * E + e] = r < jn ? K[(nfull + r) * ldk + e] : (FA_T)0;
-    }
+    const ptrdiff_t nfull = FN(fa_qk_kpad_)(K, ldk, n, E, FA_MR, kpad);
     for (ptrdiff_t p0 = 0; p0 < W; p0 += pw) {
         const FA_T *Qp = Qt + p0 * E;
         FA_T *cm = cmax ? cmax + p0 : NULL;
