@@ -16,18 +16,10 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _import_kernels():
-    """Import the extension with libgomp waiting passively unless the user chose otherwise.
-
-    libgomp reads OMP_WAIT_POLICY once, when it loads. Its default spins ~15 ms at every
-    barrier; on a busy machine the spinning thread holds the core the late thread needs
-    (measured: a 2.7 ms call took a median 16 ms; passive: 3.0 ms, ~10 us more when idle).
-    The variable is set only for this import and removed right after.
-    """
-    set_here = "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
-    if set_here:
-        os.environ["OMP_WAIT_POLICY"] = "passive"
+    """Import the extension, its libgomp waiting passively (see _process.passive_openmp_wait)."""
     try:
-        from .. import _cykernels
+        with _process.passive_openmp_wait():
+            from .. import _cykernels
     except ImportError as exc:
         if os.path.isdir(os.path.join(os.path.dirname(_PACKAGE_DIR), "csrc")):
             raise ImportError(
@@ -36,9 +28,6 @@ def _import_kernels():
                 "directory to use the installed package, or build it here with "
                 "`python setup.py build_ext --inplace`") from exc
         raise
-    finally:
-        if set_here:
-            os.environ.pop("OMP_WAIT_POLICY", None)
     return _cykernels
 
 
