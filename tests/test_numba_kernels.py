@@ -59,6 +59,32 @@ def test_tanh_f32_accuracy_and_saturation():
     assert np.array_equal(neg, -o)
 
 
+@pytest.mark.parametrize("E", [1, 7, 8, 17, 64, 100, 128])
+@pytest.mark.parametrize("S", [1, 6, 9, 63, 64, 65, 130])
+def test_packs_lay_out_every_element(E, S):
+    """The operand packs (8 x 8 register transposes plus loops for the edges) against numpy:
+    Q rows into MR-row k-major micro-tiles with zero rows past the end, K keys into PW-key
+    panels with zero keys past S; nothing written outside the packed range (NaN guards)."""
+    rng = np.random.default_rng(E * 1000 + S)
+    MR, PW = _gemm.MR, _gemm.PW
+    x = rng.standard_normal(S * E + 5).astype(np.float32)       # rows start at offset 3
+    npan = -(-S // PW)
+    Kp = np.full(npan * E * PW + 2, np.nan, np.float32)
+    for p in range(npan):
+        _gemm.pack_k_panel(x, 3, S, E, Kp, 1, p)
+    keys = np.zeros((npan * PW, E), np.float32)
+    keys[:S] = x[3:3 + S * E].reshape(S, E)
+    assert np.array_equal(Kp[1:-1], keys.reshape(npan, PW, E).transpose(0, 2, 1).ravel())
+    assert np.isnan(Kp[0]) and np.isnan(Kp[-1])
+    ntiles = -(-S // MR)
+    Qp = np.full(ntiles * E * MR + 2, np.nan, np.float32)
+    _gemm.pack_q_tiles(x, 3, S, E, Qp, 1, ntiles)
+    rows = np.zeros((ntiles * MR, E), np.float32)
+    rows[:S] = x[3:3 + S * E].reshape(S, E)
+    assert np.array_equal(Qp[1:-1], rows.reshape(ntiles, MR, E).transpose(0, 2, 1).ravel())
+    assert np.isnan(Qp[0]) and np.isnan(Qp[-1])
+
+
 @njit
 def _qk_tile(q, k):
     """Q . K^T through the forward's packing and Q.K^T driver (float32)."""

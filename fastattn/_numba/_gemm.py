@@ -23,6 +23,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._intrinsics import FM, no_inline, prefetch_l2, wide_vectors
+from ._transpose import make_transpose, transpose8
 
 _FEATURES = llb.get_host_cpu_features()
 HAVE_AVX512 = bool(_FEATURES.get('avx512f', False))
@@ -30,6 +31,7 @@ W = 16 if HAVE_AVX512 else 8      # float32 lanes per vector register
 MR = 6                            # rows per micro-tile
 NV = 4 if HAVE_AVX512 else 2      # vectors per row: 6x4 zmm / 6x2 ymm accumulators
 PW = NV * W                       # panel width (columns per micro-tile)
+transpose_q = make_transpose(MR)  # MR Q rows x 8 columns -> one packed micro-tile slice
 
 
 def _make_microkernel(MR, NV, prefetch_a=False, kb=0):
@@ -253,17 +255,25 @@ mk_dec2 = _make_microkernel(MR_D2, 2, True, kb=QK_KB)
 def pack_k_panel(kf, koff, S, E, Kp, poff, p):
     """Panel p (keys p*PW .. p*PW+PW-1) of one (batch, kv head)'s K ->
     Kp[poff + (p*E + t)*PW + c] = K[p*PW + c, t], zero past S, so the
-    Q.K^T kernel reads each k-step's PW keys as NV contiguous vectors."""
+    Q.K^T kernel reads each k-step's PW keys as NV contiguous vectors.
+    Whole 8 x 8 blocks move through registers (_transpose.py); the keys
+    past a multiple of 8 (the end of K) and the last E % 8 columns loop."""
     base = poff + p * E * PW
     zero = np.float32(0.0)
+    nk = min(PW, S - p * PW)            # keys of this panel that exist
+    nk8 = (nk // 8) * 8
+    E8 = (E // 8) * 8
+    for t0 in range(0, E8, 8):          # 8 whole rows of the panel at a time
+        for c0 in range(0, nk8, 8):
+            transpose8(Kp, base + t0 * PW + c0, PW, kf, koff + (p * PW + c0) * E + t0, E)
     for c in range(PW):
         j = p * PW + c
-        if j < S:
-            for t in range(E):
-                Kp[base + t * PW + c] = kf[koff + j * E + t]
-        else:
+        if c >= nk:
             for t in range(E):
                 Kp[base + t * PW + c] = zero
+        else:
+            for t in range(E8 if c < nk8 else 0, E):
+                Kp[base + t * PW + c] = kf[koff + j * E + t]
 
 
 @njit
@@ -271,15 +281,18 @@ def pack_q_tiles(qf, qoff, nq, E, Qp, poff, ntiles):
     """Q rows -> micro-tiles of MR rows, k-major inside a tile:
     Qp[poff + (tile*E + t)*MR + r] = Q[tile*MR + r, t] (zero rows past nq),
     so the kernel's MR broadcasts per k-step are adjacent in memory.
-    Writes are sequential and the MR source rows are read in parallel (the
-    other loop order, stride-MR writes, cost ~2 ns per element)."""
+    Full tiles move as MR x 8 blocks through registers (_transpose.py); the
+    last E % 8 columns and a partial last tile loop."""
     zero = np.float32(0.0)
+    E8 = (E // 8) * 8
     for it in range(ntiles):
         r_n = min(MR, nq - it * MR)
         src = qoff + it * MR * E
         dst = poff + it * E * MR
         if r_n == MR:
-            for t in range(E):
+            for t0 in range(0, E8, 8):
+                transpose_q(Qp, dst + t0 * MR, MR, qf, src + t0, E)
+            for t in range(E8, E):
                 for r in range(MR):
                     Qp[dst + t * MR + r] = qf[src + r * E + t]
         else:
