@@ -29,28 +29,35 @@ _FEATURES = llb.get_host_cpu_features()
 HAVE_AVX512 = bool(_FEATURES.get('avx512f', False))
 W = 16 if HAVE_AVX512 else 8      # float32 lanes per vector register
 MR = 6                            # rows per micro-tile
+# Software prefetches of the streamed operands go to L2 (llvm.prefetch locality 2, as the
+# Cython decode's): held in L1's few fill buffers (locality 3) they limited the misses in
+# flight; with the V prefetch below, decode ran at 0.79 of the time before (see gemm_pv_stream)
+PF_LOCALITY = 2
 NV = 4 if HAVE_AVX512 else 2      # vectors per row: 6x4 zmm / 6x2 ymm accumulators
 PW = NV * W                       # panel width (columns per micro-tile)
 transpose_q = make_transpose(MR)  # MR Q rows x 8 columns -> one packed micro-tile slice
 
 
-def _make_microkernel(MR, NV, prefetch_a=False, kb=0):
+def _make_microkernel(MR, NV, prefetch_a=False, kb=0, prefetch_b=0):
     """Build the MR x (NV*W) micro-kernel intrinsic (shapes fixed at import).
 
     prefetch_a: A rows are contiguous (sa_t == 1) and later calls read the
     rows that follow; each k-step prefetches one 64-byte line 4 tiles ahead
     (decode streams K in this pattern; measured per 8 MB head with K in
-    cache: 1.41 ms without, 1.11 ms 1 tile ahead, 0.70 ms 2-8 tiles ahead)."""
+    cache: 1.41 ms without, 1.11 ms 1 tile ahead, 0.70 ms 2-8 tiles ahead).
+    prefetch_b: B rows are streamed once (decode's V); each k-step
+    prefetches the NV vectors' lines of the B row prefetch_b k-steps ahead
+    (past the end of B that is a hint about unmapped memory: no fault)."""
     @intrinsic
     def mk(typingctx, c, c_off, ldc, a, a_off, sa_r, sa_t, b, b_off, ldb, K,
            ncols, beta):
-        return _mk_typer(MR, NV, prefetch_a, kb, c, c_off, ldc, a, a_off, sa_r, sa_t,
+        return _mk_typer(MR, NV, prefetch_a, kb, prefetch_b, c, c_off, ldc, a, a_off, sa_r, sa_t,
                          b, b_off, ldb, K, ncols, beta)
     return mk
 
 
-def _mk_typer(MR, NV, prefetch_a, kb, c, c_off, ldc, a, a_off, sa_r, sa_t, b, b_off, ldb, K,
-              ncols, beta):
+def _mk_typer(MR, NV, prefetch_a, kb, prefetch_b, c, c_off, ldc, a, a_off, sa_r, sa_t, b, b_off,
+              ldb, K, ncols, beta):
     for arr in (c, a, b):
         if not (isinstance(arr, types.Array) and arr.dtype == types.float32):
             return None
@@ -115,7 +122,7 @@ def _mk_typer(MR, NV, prefetch_a, kb, c, c_off, ldc, a, a_off, sa_r, sa_t, b, b_
         # accumulators live in allocas that mem2reg turns into registers
         accs = [[cgutils.alloca_once(builder, vty) for _ in range(NV)] for _ in range(MR)]
         arow = [builder.mul(sa_r_, ir.Constant(i64, r)) for r in range(MR)]
-        if prefetch_a:
+        if prefetch_a or prefetch_b:
             pf = cgutils.get_or_insert_function(
                 mod, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), ir.IntType(32),
                                                      ir.IntType(32), ir.IntType(32)]),
@@ -123,10 +130,20 @@ def _mk_typer(MR, NV, prefetch_a, kb, c, c_off, ldc, a, a_off, sa_r, sa_t, b, b_
             pfbase = builder.gep(abase, [builder.mul(sa_r_, ir.Constant(i64, 4 * MR))])
 
         def kstep(t):
+            if prefetch_b:
+                ahead = builder.add(t, ir.Constant(i64, prefetch_b))
+                brow_ahead = builder.gep(bbase, [builder.mul(ahead, ldb_)])
+                for v in range(NV):
+                    addr = builder.gep(brow_ahead, [ir.Constant(i64, v * W)])
+                    builder.call(pf, [builder.bitcast(addr, ir.IntType(8).as_pointer()),
+                                      ir.Constant(ir.IntType(32), 0),
+                                      ir.Constant(ir.IntType(32), PF_LOCALITY),
+                                      ir.Constant(ir.IntType(32), 1)])
             if prefetch_a:
                 addr = builder.gep(pfbase, [builder.mul(t, ir.Constant(i64, 16))])
                 builder.call(pf, [builder.bitcast(addr, ir.IntType(8).as_pointer()),
-                                  ir.Constant(ir.IntType(32), 0), ir.Constant(ir.IntType(32), 3),
+                                  ir.Constant(ir.IntType(32), 0),
+                                  ir.Constant(ir.IntType(32), PF_LOCALITY),
                                   ir.Constant(ir.IntType(32), 1)])
             brow = builder.gep(bbase, [builder.mul(t, ldb_)])
             bv = [builder.call(mload, [builder.bitcast(builder.gep(brow, [ir.Constant(i64, v * W)]), vptr),
@@ -319,20 +336,31 @@ def gemm_qk(Sb, Bk, Qp, qoff, E, ntiles, Kp, kpoff, p0, p1):
 KC = 128   # keys per k-chunk of P.V: a 128 x 64 V chunk (32 KiB) stays in L1
 
 
-@njit
-def gemm_pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, ntiles):
-    """acc[:ntiles*MR, :Ev] += P[:, :n] . V[voff...] (V rows of Ev floats)."""
-    for k0 in range(0, n, KC):
-        kc = min(KC, n - k0)
-        for c0 in range(0, Ev, PW):
-            if Ev - c0 >= PW:     # constant ncols: the column masks fold away (gemm_acc_nn)
-                for it in range(ntiles):
-                    microkernel_f32(acc, it * MR * Evld + c0, Evld, Pb, it * MR * Bk + k0, Bk, 1,
-                                    vf, voff + k0 * Ev + c0, Ev, kc, PW, True)
-            else:
-                for it in range(ntiles):
-                    microkernel_f32(acc, it * MR * Evld + c0, Evld, Pb, it * MR * Bk + k0, Bk, 1,
-                                    vf, voff + k0 * Ev + c0, Ev, kc, Ev - c0, True)
+def _make_gemm_pv(mk):
+    @njit
+    def gemm_pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, ntiles):
+        """acc[:ntiles*MR, :Ev] += P[:, :n] . V[voff...] (V rows of Ev floats)."""
+        for k0 in range(0, n, KC):
+            kc = min(KC, n - k0)
+            for c0 in range(0, Ev, PW):
+                if Ev - c0 >= PW:     # constant ncols: the column masks fold away (gemm_acc_nn)
+                    for it in range(ntiles):
+                        mk(acc, it * MR * Evld + c0, Evld, Pb, it * MR * Bk + k0, Bk, 1,
+                           vf, voff + k0 * Ev + c0, Ev, kc, PW, True)
+                else:
+                    for it in range(ntiles):
+                        mk(acc, it * MR * Evld + c0, Evld, Pb, it * MR * Bk + k0, Bk, 1,
+                           vf, voff + k0 * Ev + c0, Ev, kc, Ev - c0, True)
+    return gemm_pv
+
+
+gemm_pv = _make_gemm_pv(microkernel_f32)
+# Decode's P.V reads every V row once, from DRAM: each k-step prefetches the panel's lines of
+# the V row PV_PF_KEYS keys ahead. Without it P.V stalled on V and took 2/3 of decode's profile
+# (the K stream already had prefetch_a). B1 Hq32 Hkv8 S16384 d128, 12 interleaved rounds of
+# separate processes: time x0.79 (32 keys ahead) and x0.79 (64), Cython's x0.76 in the same run.
+PV_PF_KEYS = 32
+gemm_pv_stream = _make_gemm_pv(_make_microkernel(MR, NV, prefetch_b=PV_PF_KEYS))
 
 
 # backward products accumulated over many tiles: end-add chains (see kb < 0)

@@ -21,12 +21,13 @@ from ._intrinsics import FM, atomic_next, fcast, fmax_nan, wide_vectors
 from ._tiles import (
     active_mask_strides, block_all_finite, block_status_bool, block_status_float, pv_nonfinite,
     score_units, tile_dropout, tile_online, tile_pipeline)
-from ._gemm import MR, dec_qk, dec_qk_dot, gemm_pv
+from ._gemm import MR, dec_qk, dec_qk_dot, gemm_pv_stream
 
 
 # float32 -> the register-blocked kernels (_gemm.py), float64 -> BLAS,
 # resolved at compile time. Q.K^T is computed as K.Q^T (K rows broadcast
-# straight from the cache with software prefetch, no packing pass). End-to-end
+# straight from the cache with software prefetch, no packing pass); P.V
+# prefetches the V rows ahead of the k-steps (_gemm.gemm_pv_stream). End-to-end
 # A/B runs on this shared machine were noisy: B1 Hq32 Hkv8 S16384 d128, 2
 # threads, 6 interleaved rounds: t_torch/t_ours median 1.35 with K.Q^T vs 0.88
 # with BLAS Q.K^T (an earlier set had them the other way round, 26 vs 31 ms
@@ -60,7 +61,7 @@ def _dec_qk_ol(Sb, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, n, ab):
 def _dec_pv_ol(acc, Evld, Pb, Bk, vf, voff, Ev, n, R, ab):
     if acc.dtype == types.float32:
         def impl(acc, Evld, Pb, Bk, vf, voff, Ev, n, R, ab):
-            gemm_pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, (R + MR - 1) // MR)
+            gemm_pv_stream(acc, Evld, Pb, Bk, vf, voff, Ev, n, (R + MR - 1) // MR)
     else:
         def impl(acc, Evld, Pb, Bk, vf, voff, Ev, n, R, ab):
             gemm_nn(R, Ev, n, Pb, 0, Bk, vf, voff, Evld, 0, acc, 0, Evld, ab)
