@@ -256,3 +256,23 @@ def test_backward_kernel_float32_regressions(case, seed, blocks, grad):
     want = reference.scaled_dot_product_attention_backward(g, q, k, v, **kw)[i]
     naive = reference.scaled_dot_product_attention_backward(g, q, k, v, dtype=dtype, **kw)[i]
     assert_close_to_reference((dq, dk, dv)[i], want, naive, dtype, grad)
+
+
+@pytest.mark.parametrize("Ev", [7, 64, 128, 200])
+def test_decode_pv_one_row_tile_same_bits(Ev):
+    """MHA decode's P.V runs a 1-row tile (the MR-row tile spent its other rows on padding). It
+    must give row 0 the same FMA chain, so the same bits, as the MR-row tile, and leave the
+    accumulator's padding rows alone."""
+    rng = np.random.default_rng(Ev)
+    n, Bk = 1000, 1024
+    Pb = np.zeros((_gemm.MR, Bk), np.float32)
+    Pb[0, :n] = rng.random(n)
+    v = rng.standard_normal(n * Ev).astype(np.float32)
+    start = rng.standard_normal((_gemm.MR, Ev)).astype(np.float32)
+    tile, row = start.copy(), start.copy()
+    _gemm.gemm_pv_stream(tile, Ev, Pb, Bk, v, 0, Ev, n, 1)
+    _gemm.gemm_pv_stream_row(row, Ev, Pb, Bk, v, 0, Ev, n, 1)
+    assert np.array_equal(row[0], tile[0])
+    assert np.array_equal(row[1:], start[1:])
+    exact = start[0] + Pb[0, :n].astype(np.float64) @ v.reshape(n, Ev)
+    assert np.abs(row[0] - exact).max() < 1e-4 * np.abs(exact).max()

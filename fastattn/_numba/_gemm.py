@@ -336,20 +336,20 @@ def gemm_qk(Sb, Bk, Qp, qoff, E, ntiles, Kp, kpoff, p0, p1):
 KC = 128   # keys per k-chunk of P.V: a 128 x 64 V chunk (32 KiB) stays in L1
 
 
-def _make_gemm_pv(mk):
+def _make_gemm_pv(mk, mr=MR):
     @njit
     def gemm_pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, ntiles):
-        """acc[:ntiles*MR, :Ev] += P[:, :n] . V[voff...] (V rows of Ev floats)."""
+        """acc[:ntiles*mr, :Ev] += P[:, :n] . V[voff...] (V rows of Ev floats)."""
         for k0 in range(0, n, KC):
             kc = min(KC, n - k0)
             for c0 in range(0, Ev, PW):
                 if Ev - c0 >= PW:     # constant ncols: the column masks fold away (gemm_acc_nn)
                     for it in range(ntiles):
-                        mk(acc, it * MR * Evld + c0, Evld, Pb, it * MR * Bk + k0, Bk, 1,
+                        mk(acc, it * mr * Evld + c0, Evld, Pb, it * mr * Bk + k0, Bk, 1,
                            vf, voff + k0 * Ev + c0, Ev, kc, PW, True)
                 else:
                     for it in range(ntiles):
-                        mk(acc, it * MR * Evld + c0, Evld, Pb, it * MR * Bk + k0, Bk, 1,
+                        mk(acc, it * mr * Evld + c0, Evld, Pb, it * mr * Bk + k0, Bk, 1,
                            vf, voff + k0 * Ev + c0, Ev, kc, Ev - c0, True)
     return gemm_pv
 
@@ -361,6 +361,9 @@ gemm_pv = _make_gemm_pv(microkernel_f32)
 # separate processes: time x0.79 (32 keys ahead) and x0.79 (64), Cython's x0.76 in the same run.
 PV_PF_KEYS = 32
 gemm_pv_stream = _make_gemm_pv(_make_microkernel(MR, NV, prefetch_b=PV_PF_KEYS))
+# ... and for one query row (MHA decode) a 1-row tile: the MR-row tile spent 5/6 of its FMAs
+# on padding rows. Each sum is the same FMA chain over the keys, so the bits are the same.
+gemm_pv_stream_row = _make_gemm_pv(_make_microkernel(1, NV, prefetch_b=PV_PF_KEYS), 1)
 
 
 # backward products accumulated over many tiles: end-add chains (see kb < 0)

@@ -21,7 +21,7 @@ from ._intrinsics import FM, atomic_next, fcast, fmax_nan, wide_vectors
 from ._tiles import (
     active_mask_strides, block_all_finite, block_status_bool, block_status_float, pv_nonfinite,
     score_units, tile_dropout, tile_online, tile_pipeline)
-from ._gemm import MR, dec_qk, dec_qk_dot, gemm_pv_stream
+from ._gemm import MR, dec_qk, dec_qk_dot, gemm_pv_stream, gemm_pv_stream_row
 
 
 # float32 -> the register-blocked kernels (_gemm.py), float64 -> BLAS,
@@ -61,7 +61,10 @@ def _dec_qk_ol(Sb, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, n, ab):
 def _dec_pv_ol(acc, Evld, Pb, Bk, vf, voff, Ev, n, R, ab):
     if acc.dtype == types.float32:
         def impl(acc, Evld, Pb, Bk, vf, voff, Ev, n, R, ab):
-            gemm_pv_stream(acc, Evld, Pb, Bk, vf, voff, Ev, n, (R + MR - 1) // MR)
+            if R == 1:
+                gemm_pv_stream_row(acc, Evld, Pb, Bk, vf, voff, Ev, n, 1)
+            else:
+                gemm_pv_stream(acc, Evld, Pb, Bk, vf, voff, Ev, n, (R + MR - 1) // MR)
     else:
         def impl(acc, Evld, Pb, Bk, vf, voff, Ev, n, R, ab):
             gemm_nn(R, Ev, n, Pb, 0, Bk, vf, voff, Evld, 0, acc, 0, Evld, ab)
