@@ -43,6 +43,58 @@ def test_exp2_special_values_and_accuracy(dtype):
     assert (np.abs(o[5:] - exact) / exact).max() < tol
 
 
+@njit
+def _exp2_row(S, r, P, n, c, m):
+    return _exp.exp2_row_sum(S, r, P, n, c, m)
+
+
+@njit(fastmath={'contract'})     # t = x*c - m as one FMA, as in the row pass
+def _exp2_each(x, c, m, out):
+    for j in range(x.size):
+        out[j] = _exp.exp2v(x[j] * c - m)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 63, 64, 65, 100, 130, 512])
+def test_exp2_row_pass_matches_elementwise_exp2(dtype, n):
+    """The softmax's row pass (for float32 on AVX-512 CPUs: vreduceps/vscalefps, see _exp.py)
+    gives each weight exactly as the elementwise exp2 does where t = x*c - m >= the cutoff,
+    exactly 0 below it and for -inf, NaN for NaN and >= 2**64 for overflow; it writes row r's
+    first n entries only and returns their sum."""
+    rng = np.random.default_rng(n)
+    S = (rng.standard_normal((3, n + 5)) * 60).astype(dtype)
+    row = S[1]
+    row[::5] = -np.inf
+    row[1::9] = np.nan
+    row[2::11] = np.inf
+    row[3::13] = -1e30
+    finite = row[np.isfinite(row) & (np.abs(row) < 1e20)]
+    c = dtype(0.3)
+    m = dtype(finite.max() * c) if finite.size else dtype(0)
+    P = np.full_like(S, 7.0)
+    s = _exp2_row(S, 1, P, n, c, m)
+    got, x = P[1, :n], row[:n]
+    want = np.empty(n, dtype)
+    _exp2_each(x.copy(), c, m, want)
+    with np.errstate(invalid="ignore", over="ignore"):
+        t = x.astype(np.float64) * np.float64(c) - np.float64(m)
+    cutoff = _exp.EXP2_ROW_CUTOFF if dtype == np.float32 else -1022.0
+    normal = np.isfinite(t) & (t >= cutoff) & (t < 60)
+    if dtype == np.float32:
+        assert np.array_equal(got[normal], want[normal])
+    else:   # t may round differently (FMA or not): relative error up to |t| ln2 ulp
+        np.testing.assert_allclose(got[normal], want[normal], rtol=1e-13, atol=0)
+    assert np.all(got[(t < cutoff) | (t == -np.inf)] == 0)
+    assert np.array_equal(np.isnan(got), np.isnan(t))
+    assert np.all(got[t > 200] >= 2.0 ** 64)
+    assert np.all(P[0] == 7) and np.all(P[2] == 7) and np.all(P[1, n:] == 7)
+    total = got.astype(np.float64).sum()
+    if np.isnan(total):
+        assert np.isnan(s)
+    else:
+        assert s == total or abs(s - total) <= 1e-6 * abs(total)
+
+
 def test_tanh_f32_accuracy_and_saturation():
     """<= 2 ulp everywhere (numpy's float32 tanh: 1.4), odd, and exactly +-1 where float32 rounds
     tanh to 1 (a clamp at 9 once returned 1 - 2**-24 for every saturated softcap score)."""

@@ -15,18 +15,15 @@ rows are not masked: callers pad A and C to a multiple of MR rows.
 It is emitted through a Numba @intrinsic (plain IR, no ctypes pointers), so
 functions using it stay cacheable.
 """
-import llvmlite.binding as llb
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._intrinsics import FM, no_inline, prefetch_l2, wide_vectors
+from ._intrinsics import FM, HAVE_AVX512, no_inline, prefetch_l2, wide_vectors
 from ._transpose import make_transpose, transpose8
 
-_FEATURES = llb.get_host_cpu_features()
-HAVE_AVX512 = bool(_FEATURES.get('avx512f', False))
 W = 16 if HAVE_AVX512 else 8      # float32 lanes per vector register
 MR = 6                            # rows per micro-tile
 # Software prefetches of the streamed operands go to L2 (llvm.prefetch locality 2, as the

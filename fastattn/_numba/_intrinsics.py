@@ -10,11 +10,17 @@ fastmath is never True in these kernels (it implies 'ninf'/'nnan' and breaks
 """
 import os
 
+import llvmlite.binding as llb
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
+
+_FEATURES = llb.get_host_cpu_features()
+HAVE_AVX512 = bool(_FEATURES.get('avx512f', False))
+# vreduceps (the exp2 row pass in _exp.py) is an AVX512DQ instruction
+HAVE_AVX512DQ = HAVE_AVX512 and bool(_FEATURES.get('avx512dq', False))
 
 # Safe fast-math subset: lets LLVM reassociate sums (vectorized reductions)
 # and contract a*b+c into FMAs, but keeps inf/NaN semantics.

@@ -7,7 +7,7 @@ import numpy as np
 from numba import njit
 
 from ._blas import gemm_nn
-from ._exp import LOG2E, exp2v, tanhv
+from ._exp import LOG2E, exp2_row_sum, exp2v, tanhv
 from ._hash import dropout_bits, dropout_row_key
 from ._intrinsics import FM, fcast, fmax_nan, wide_vectors
 
@@ -155,7 +155,8 @@ def tile_online(S, P, r0, r1, n, m, lsum, acc, Ev, c):
 
     Writes the unnormalized weights 2**(S*c - m) to P (zeros for rows with
     nothing allowed yet), updates m (log2 units), lsum and rescales acc rows
-    whose m moved."""
+    whose m moved. The weights of a row come from one exp2_row_sum pass
+    (_exp.py: AVX-512 instructions for float32 where the CPU has them)."""
     wide_vectors()
     ninf = fcast(S, -np.inf)
     one = fcast(S, 1.0)
@@ -166,11 +167,7 @@ def tile_online(S, P, r0, r1, n, m, lsum, acc, Ev, c):
     for r in range(r0, r1):
         m_old = m[r]
         if m_old != ninf:
-            s = zero
-            for j in range(n):
-                p = exp2v(S[r, j] * c - m_old)
-                P[r, j] = p
-                s += p
+            s = exp2_row_sum(S, r, P, n, c, m_old)
             if s <= lim:            # False for inf and NaN
                 lsum[r] += s
                 continue
@@ -178,11 +175,7 @@ def tile_online(S, P, r0, r1, n, m, lsum, acc, Ev, c):
             # first block of this row: guess the max of the row above
             # (acc row and lsum are still 0, nothing to rescale)
             mg = m[r - 1]
-            s = zero
-            for j in range(n):
-                p = exp2v(S[r, j] * c - mg)
-                P[r, j] = p
-                s += p
+            s = exp2_row_sum(S, r, P, n, c, mg)
             if s <= lim and s >= low:   # False for NaN
                 lsum[r] = s
                 m[r] = mg
@@ -199,11 +192,7 @@ def tile_online(S, P, r0, r1, n, m, lsum, acc, Ev, c):
                 P[r, j] = zero
             continue
         alpha = exp2v(m_old - m_new)
-        s = zero
-        for j in range(n):
-            p = exp2v(S[r, j] * c - m_new)
-            P[r, j] = p
-            s += p
+        s = exp2_row_sum(S, r, P, n, c, m_new)
         lsum[r] = lsum[r] * alpha + s
         m[r] = m_new
         if alpha != one:
