@@ -243,6 +243,59 @@ def _kernel_problem(rng, dtype, case):
     return q, k, v, g, kw, make_problem(q, kb, vb, **kw)
 
 
+# cases whose band edge cuts through key blocks at many places: the forward's float32 products
+# and softmax skip, per micro-tile, the keys past the band (forward.py, dlim)
+BAND_CASES = {
+    "causal": dict(is_causal=True),
+    "causal_br": dict(is_causal=True, causal_alignment="bottom_right", L=150, S=400),
+    "causal_L>S": dict(is_causal=True, L=400, S=170),
+    "window": dict(window=(50, 20)),
+    "causal_bool": dict(is_causal=True, mask="bool"),
+    "causal_softcap_dropout": dict(is_causal=True, softcap=3.0, dropout_p=0.3, rng=5),
+    # NaN/Inf in V rows that only later queries attend: earlier rows must not see them
+    "causal_nan_v": dict(is_causal=True, nan_v=True),
+}
+
+
+@pytest.mark.parametrize("blocks", [(32, 64), (128, 64), (64, 192), (256, 512)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", list(BAND_CASES))
+def test_forward_kernel_band_edges_inside_blocks(case, dtype, blocks):
+    from helpers import assert_close_to_reference
+
+    from fastattn import reference
+    from fastattn._backends._kernel_args import forward_inputs, forward_outputs
+    from fastattn._inputs import make_problem
+    from fastattn._numba import forward as fwd
+
+    c = dict(BAND_CASES[case])
+    rng = np.random.default_rng(zlib.crc32(case.encode()) % 1000)
+    B, H, E = 1, 2, 40
+    L, S = c.pop("L", 300), c.pop("S", 300)
+    q, k, v = (rng.standard_normal((B, H, n, E)).astype(dtype) for n in (L, S, S))
+    if c.pop("mask", None):
+        c["attn_mask"] = rng.random((B, 1, L, S)) > 0.3
+    if c.pop("nan_v", False):
+        v[:, 0, 250] = np.nan
+        v[:, 1, 201, 3] = np.inf
+    p = make_problem(q, k, v, **c)
+    out, lse = forward_outputs(p)
+    fwd.forward(*forward_inputs(p), out, lse, 2, block_q=blocks[0], block_k=blocks[1])
+    with np.errstate(invalid="ignore"):      # 0 * NaN where the reference multiplies weights
+        ref_out, ref_lse = reference.scaled_dot_product_attention(q, k, v, return_lse=True, **c)
+        naive_out, naive_lse = reference.scaled_dot_product_attention(q, k, v, return_lse=True,
+                                                                      dtype=dtype, **c)
+    if case == "causal_nan_v":
+        assert np.isfinite(out[:, 0, :250]).all() and np.isnan(out[:, 0, 250:]).all()
+        assert np.array_equal(np.isnan(out), np.isnan(ref_out))
+        assert np.array_equal(np.isposinf(out), np.isposinf(ref_out))
+        # the rest is compared where the reference is finite
+        out, ref_out, naive_out = (np.where(np.isfinite(ref_out), x, 0)
+                                   for x in (out, ref_out, naive_out))
+    assert_close_to_reference(out, ref_out, naive_out, dtype, "out")
+    assert_close_to_reference(lse, ref_lse, naive_lse, dtype, "lse")
+
+
 @pytest.mark.parametrize("blocks", [(7, 13, 3), (16, 64, 1), (128, 128, 2)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("case", list(CASES))

@@ -315,10 +315,24 @@ def pack_q_tiles(qf, qoff, nq, E, Qp, poff, ntiles):
                     Qp[dst + t * MR + r] = qf[src + r * E + t] if r < r_n else zero
 
 
+# Row r of a tile needs the columns (keys) below r + dlim only: a causal or window band whose right
+# edge cuts through the block (forward). dlim = NO_LIMIT: every column. The products skip, per
+# micro-tile, the columns that none of its rows needs; the caller masks the rest of each row.
+NO_LIMIT = 1 << 62
+
+
 @njit
-def gemm_qk(Sb, Bk, Qp, qoff, E, ntiles, Kp, kpoff, p0, p1):
+def tile_cols(it, mr, dlim):
+    """Columns micro-tile it (rows it*mr .. it*mr+mr-1) needs: below the last row's limit."""
+    return it * mr + mr - 1 + dlim
+
+
+@njit
+def gemm_qk(Sb, Bk, Qp, qoff, E, ntiles, Kp, kpoff, p0, p1, dlim=NO_LIMIT):
     """Sb[:ntiles*MR, (p-p0)*PW...] = Q . K^T for key panels p0..p1-1
-    (panel p starts at Kp[kpoff + p*E*PW]; the packed Q tiles at Qp[qoff]).
+    (panel p starts at Kp[kpoff + p*E*PW]; the packed Q tiles at Qp[qoff]),
+    skipping the QW-column slices a tile does not need (dlim, above): those
+    entries are left as they were.
     Panel-outer: one 16 KiB K panel stays in L1 while the packed Q tiles
     stream through in order."""
     no_inline()
@@ -326,8 +340,9 @@ def gemm_qk(Sb, Bk, Qp, qoff, E, ntiles, Kp, kpoff, p0, p1):
         for c in range(0, PW, QW):
             col = (p - p0) * PW + c
             for it in range(ntiles):
-                microkernel_qk(Sb, it * MR * Bk + col, Bk, Qp, qoff + it * E * MR, 1, MR,
-                               Kp, kpoff + p * E * PW + c, PW, E, QW, False)
+                if col < tile_cols(it, MR, dlim):
+                    microkernel_qk(Sb, it * MR * Bk + col, Bk, Qp, qoff + it * E * MR, 1, MR,
+                                   Kp, kpoff + p * E * PW + c, PW, E, QW, False)
 
 
 KC = 128   # keys per k-chunk of P.V: a 128 x 64 V chunk (32 KiB) stays in L1
@@ -335,19 +350,26 @@ KC = 128   # keys per k-chunk of P.V: a 128 x 64 V chunk (32 KiB) stays in L1
 
 def _make_gemm_pv(mk, mr=MR):
     @njit
-    def gemm_pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, ntiles):
-        """acc[:ntiles*mr, :Ev] += P[:, :n] . V[voff...] (V rows of Ev floats)."""
+    def gemm_pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, ntiles, dlim=NO_LIMIT):
+        """acc[:ntiles*mr, :Ev] += P[:, :n] . V[voff...] (V rows of Ev floats).
+        A tile's sum stops at the keys it needs (dlim, above; the weights
+        past them are 0, and each sum is then the same FMA chain cut short:
+        the same bits)."""
         for k0 in range(0, n, KC):
             kc = min(KC, n - k0)
             for c0 in range(0, Ev, PW):
                 if Ev - c0 >= PW:     # constant ncols: the column masks fold away (gemm_acc_nn)
                     for it in range(ntiles):
-                        mk(acc, it * mr * Evld + c0, Evld, Pb, it * mr * Bk + k0, Bk, 1,
-                           vf, voff + k0 * Ev + c0, Ev, kc, PW, True)
+                        kt = min(kc, tile_cols(it, mr, dlim) - k0)
+                        if kt > 0:
+                            mk(acc, it * mr * Evld + c0, Evld, Pb, it * mr * Bk + k0, Bk, 1,
+                               vf, voff + k0 * Ev + c0, Ev, kt, PW, True)
                 else:
                     for it in range(ntiles):
-                        mk(acc, it * mr * Evld + c0, Evld, Pb, it * mr * Bk + k0, Bk, 1,
-                           vf, voff + k0 * Ev + c0, Ev, kc, Ev - c0, True)
+                        kt = min(kc, tile_cols(it, mr, dlim) - k0)
+                        if kt > 0:
+                            mk(acc, it * mr * Evld + c0, Evld, Pb, it * mr * Bk + k0, Bk, 1,
+                               vf, voff + k0 * Ev + c0, Ev, kt, Ev - c0, True)
     return gemm_pv
 
 

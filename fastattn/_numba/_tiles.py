@@ -8,6 +8,7 @@ from numba import njit
 
 from ._blas import gemm_nn
 from ._exp import LOG2E, exp2_row_sum, exp2v, tanhv
+from ._gemm import MR, NO_LIMIT, tile_cols
 from ._hash import dropout_bits, dropout_row_key
 from ._intrinsics import FM, fcast, fmax_nan, wide_vectors
 
@@ -149,14 +150,17 @@ LAZY_LOW = 2.0 ** -20
 
 
 @njit(fastmath=FM)
-def tile_online(S, P, r0, r1, n, m, lsum, acc, Ev, c):
+def tile_online(S, P, r0, r1, n, m, lsum, acc, Ev, c, dlim=NO_LIMIT):
     """Online-softmax update of rows r0..r1-1 with their scores S[r, :n]
     (log2-unit score = S * c, c > 0).
 
     Writes the unnormalized weights 2**(S*c - m) to P (zeros for rows with
     nothing allowed yet), updates m (log2 units), lsum and rescales acc rows
     whose m moved. The weights of a row come from one exp2_row_sum pass
-    (_exp.py: AVX-512 instructions for float32 where the CPU has them)."""
+    (_exp.py: AVX-512 instructions for float32 where the CPU has them).
+    With dlim (the band's right edge inside the block, _gemm.NO_LIMIT), a
+    row covers only the columns its micro-tile's P.V reads: the rest of the
+    row is masked anyway, and P there is left as it was."""
     wide_vectors()
     ninf = fcast(S, -np.inf)
     one = fcast(S, 1.0)
@@ -164,7 +168,9 @@ def tile_online(S, P, r0, r1, n, m, lsum, acc, Ev, c):
     lim = fcast(S, LAZY_LIMIT)
     low = fcast(S, LAZY_LOW)
     c = fcast(S, c)
+    nfull = n
     for r in range(r0, r1):
+        n = max(0, min(nfull, tile_cols(r // MR, MR, dlim)))
         m_old = m[r]
         if m_old != ninf:
             s = exp2_row_sum(S, r, P, n, c, m_old)
@@ -198,6 +204,16 @@ def tile_online(S, P, r0, r1, n, m, lsum, acc, Ev, c):
         if alpha != one:
             for t in range(Ev):
                 acc[r, t] *= alpha
+
+
+@njit
+def zero_past_limit(P, nq, n, dlim):
+    """P[r, j] = 0 for the columns tile_online left alone (see its dlim), so
+    a product over all n columns (the non-finite-V path) reads zeros there."""
+    zero = fcast(P, 0.0)
+    for r in range(nq):
+        for j in range(max(0, min(n, tile_cols(r // MR, MR, dlim))), n):
+            P[r, j] = zero
 
 
 @njit

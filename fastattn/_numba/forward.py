@@ -21,8 +21,8 @@ from ._hash import dropout_threshold_nb
 from ._intrinsics import FM, atomic_next, fcast, prefetch_l2, wide_vectors
 from ._tiles import (
     active_mask_strides, block_all_finite, block_status_bool, block_status_float, pv_nonfinite,
-    score_units, tile_dropout, tile_finalize, tile_online, tile_pipeline)
-from ._gemm import MR, PW, gemm_pv, gemm_qk, pack_k_panel, pack_q_tiles
+    score_units, tile_dropout, tile_finalize, tile_online, tile_pipeline, zero_past_limit)
+from ._gemm import MR, NO_LIMIT, PW, gemm_pv, gemm_qk, pack_k_panel, pack_q_tiles
 
 
 # ---------------------------------------------------------------------------
@@ -37,11 +37,12 @@ def _prep_q(qf, qoff, nq, E, Qp, ntiles):  # pragma: no cover
     raise NotImplementedError
 
 
-def _qk(Sb, Bk, qf, qoff, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab):  # pragma: no cover
+def _qk(Sb, Bk, qf, qoff, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab,
+        dlim):  # pragma: no cover
     raise NotImplementedError
 
 
-def _pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab):  # pragma: no cover
+def _pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab, dlim):  # pragma: no cover
     raise NotImplementedError
 
 
@@ -67,23 +68,23 @@ def _prep_q_ol(qf, qoff, nq, E, Qp, ntiles):
 
 
 @overload(_qk)
-def _qk_ol(Sb, Bk, qf, qoff, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab):
+def _qk_ol(Sb, Bk, qf, qoff, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab, dlim):
     if Sb.dtype == types.float32:
-        def impl(Sb, Bk, qf, qoff, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab):
-            gemm_qk(Sb, Bk, Qp, 0, E, ntiles, Kp, kpoff, j0 // PW, (j0 + n + PW - 1) // PW)
+        def impl(Sb, Bk, qf, qoff, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab, dlim):
+            gemm_qk(Sb, Bk, Qp, 0, E, ntiles, Kp, kpoff, j0 // PW, (j0 + n + PW - 1) // PW, dlim)
     else:
-        def impl(Sb, Bk, qf, qoff, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab):
+        def impl(Sb, Bk, qf, qoff, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff, ab, dlim):
             gemm_nt(nq, n, E, qf, qoff, Eld, kf, kbase + j0 * E, Eld, 1, Sb, 0, Bk, ab)
     return impl
 
 
 @overload(_pv)
-def _pv_ol(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab):
+def _pv_ol(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab, dlim):
     if acc.dtype == types.float32:
-        def impl(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab):
-            gemm_pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, ntiles)
+        def impl(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab, dlim):
+            gemm_pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, ntiles, dlim)
     else:
-        def impl(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab):
+        def impl(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab, dlim):
             gemm_nn(nq, Ev, n, Pb, 0, Bk, vf, voff, Evld, 0, acc, 0, Evld, ab)
     return impl
 
@@ -252,6 +253,13 @@ def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
             continue
         band_partial = (j0 < pos_last - win_left) or (j0 + n - 1 > pos_first + win_right)
         need_rows = always_rows or band_partial or mstat == 2
+        # the band's right edge cuts the block: row r needs the keys below r + dlim only. The
+        # float32 products and the softmax then skip, per micro-tile, what none of its rows
+        # needs (the diagonal block of a causal item: ~12% of L = S = 2048's tiles); the band
+        # pass of tile_pipeline masks the rest of each row. BLAS (float64) does whole blocks.
+        dlim = NO_LIMIT
+        if _packed(q) and pos_first + win_right - j0 + 1 < n:
+            dlim = pos_first + win_right - j0 + 1
 
         if local_pack:
             # K used by this item only: lay out just this block's panels in the
@@ -261,10 +269,10 @@ def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
             for p in range(p0, p1):
                 _pack_k_local(kf, kbase, S, E, Kl, -p0 * E * PW, p)
             _qk(Sb, Bk, qf, qoff, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kl,
-                -p0 * E * PW, ab)
+                -p0 * E * PW, ab, dlim)
         else:
             _qk(Sb, Bk, qf, qoff, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp,
-                (b * Hkv + hk) * ((S + PW - 1) // PW) * E * PW, ab)
+                (b * Hkv + hk) * ((S + PW - 1) // PW) * E * PW, ab, dlim)
 
         if need_rows:
             tile_pipeline(Sb, 0, nq, n, j0, pos_first, to_nat, scale, use_cap,
@@ -275,12 +283,13 @@ def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
             # last key block: softmax in row chunks, prefetching between them
             for c in range(pf_nch):
                 r0 = c * PF_ROWS
-                tile_online(Sb, Pb, r0, min(nq, r0 + PF_ROWS), n, m, lsum, acc, Ev, c_exp)
+                tile_online(Sb, Pb, r0, min(nq, r0 + PF_ROWS), n, m, lsum, acc, Ev, c_exp,
+                            dlim)
                 _prefetch_part(qf, pq_off, pf_q, c, pf_nch, pf_step)
                 _prefetch_part(kf, pk_off, pf_k, c, pf_nch, pf_step)
                 _prefetch_part(vf, pv_off, pf_v, c, pf_nch, pf_step)
         else:
-            tile_online(Sb, Pb, 0, nq, n, m, lsum, acc, Ev, c_exp)
+            tile_online(Sb, Pb, 0, nq, n, m, lsum, acc, Ev, c_exp, dlim)
         if do_drop:
             tile_dropout(Pb, 0, nq, n, seed, bh, i0, j0, thresh)
 
@@ -292,8 +301,9 @@ def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
         # ~3% of a B4 H8 L256 item) is skipped; the cython kernel does the same.
         if (mstat == 1 and not band_partial and not do_drop) or \
                 block_all_finite(vf, voff, n * Ev):
-            _pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab)
+            _pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab, dlim)
         else:
+            zero_past_limit(Pb, nq, n, dlim)
             if Vs.shape[0] != Bk:
                 Vs = np.empty((Bk, Evld), q.dtype)
             pv_nonfinite(Pb, nq, n, vf, voff, Ev, Evld, Vs, acc, ab)
