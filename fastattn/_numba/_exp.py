@@ -150,7 +150,6 @@ def _tanhv_ol(x):
     return None
 
 
-
 # --------------------------------------------------------------------------
 # exp2 row pass of the online softmax: P[r, :n] = 2**(S[r, :n]*c - m), and
 # the row's sum
