@@ -204,6 +204,7 @@ class Problem:
     alibi: np.ndarray | None = None
     dropout_p: float = 0.0
     seed: int = 0
+    sinks: np.ndarray | None = None      # (Hq,) compute dtype: softmax-denominator logits
     # how to give results back
     in_dtype: np.dtype = field(default_factory=lambda: np.dtype(np.float32))
     out_shape: tuple = ()

@@ -1,8 +1,9 @@
 """What the two compiled backends (cython, numba) share: the kernel calling convention.
 
-Both expose the same four kernels with the same arguments (docs/KERNELS.md): forward, decode,
-backward and softmax_rows. A subclass's `_load` imports them and sets the four attributes below;
-the calls, the output allocation and the decode-or-forward choice live here once.
+Both expose the same four kernels taking the same record (fastattn/_backends/_kernel_args.py,
+docs/KERNELS.md): forward, decode, backward and softmax_rows. A subclass's `_load` imports them
+and sets the four attributes below; the record, the output allocation and the decode-or-forward
+choice live here once.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 
 from .. import _config, _process
 from ._base import Backend
-from ._kernel_args import forward_inputs, forward_outputs
+from ._kernel_args import forward_outputs, kernel_args
 
 # Few queries against a long cache: the decode kernel reads each K/V block once for all query
 # rows of a KV group and splits the keys over threads (flash-decoding). Up to this many query
@@ -25,25 +26,37 @@ def use_decode(p) -> bool:
 
 class CompiledBackend(Backend):
     ops = ("forward", "backward", "softmax")
+    # options the backend's kernels do not implement yet: {Problem attribute: reason}
+    unsupported_options: dict = {}
 
-    # set by _load: the kernels, each taking the arguments of docs/KERNELS.md
+    # set by _load: kernel(args, out, lse), kernel(args, dout, out, lse, dq, dk, dv, dsinks),
+    # softmax_rows(x, mask_kind, mask, out, n_threads)
     _forward_kernel = _decode_kernel = _backward_kernel = _softmax_kernel = None
+
+    def not_supported_reasons(self, problem, op):
+        reasons = super().not_supported_reasons(problem, op)
+        for attr, why in self.unsupported_options.items():
+            if getattr(problem, attr, None) is not None:
+                reasons.append(why)
+        return reasons
 
     def forward(self, p):
         out, lse = forward_outputs(p)
         kernel = self._decode_kernel if use_decode(p) else self._forward_kernel
+        args = kernel_args(p, _config.num_threads())
         _process.note_pool_used()
-        kernel(*forward_inputs(p), out, lse, _config.num_threads())
+        kernel(args, out, lse)
         return out, lse
 
     def backward(self, p, dout, out, lse):
         """FlashAttention-2 backward: P recomputed from lse; (dq, dk, dv) shaped like the
-        canonical q, k, v."""
+        canonical q, k, v, and dsinks (Hq,) when the problem has sinks."""
         dq, dk, dv = np.empty_like(p.q), np.empty_like(p.k), np.empty_like(p.v)
+        args = kernel_args(p, _config.num_threads())
+        dsinks = np.zeros(args.sinks.shape, p.dtype)
         _process.note_pool_used()
-        self._backward_kernel(*forward_inputs(p), dout, out, lse, dq, dk, dv,
-                              _config.num_threads())
-        return dq, dk, dv
+        self._backward_kernel(args, dout, out, lse, dq, dk, dv, dsinks)
+        return dq, dk, dv, (dsinks if p.sinks is not None else None)
 
     def softmax_rows(self, x, keep):
         out = np.empty_like(x)

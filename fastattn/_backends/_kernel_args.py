@@ -1,30 +1,106 @@
-"""Problem -> the positional arguments of the compiled kernels (shared by Cython and Numba).
+"""The one description of a call that both compiled backends (cython, numba) receive.
 
-The kernels take no None and no optional arrays: absent masks and slopes are passed as small
-dummy arrays with a flag, so one compiled specialization serves every call of a dtype.
+`_inputs.make_problem` validates the user's arguments into a `Problem`; `kernel_args(problem)`
+turns it, once per call, into a `KernelArgs` record: C-contiguous arrays of one float dtype and
+plain scalars, no None (absent masks, slopes and sinks are small dummy arrays with a flag), so
+one compiled specialization serves every call of a dtype. Numba kernels take the record whole
+(a heterogeneous NamedTuple); the Cython extension copies it into one C struct. A new score
+option is a field here, one scores function per language, the reference, the docs
+(docs/KERNELS.md, "how to add a score option").
+
+Kernel entry points (both backends, same arguments):
+    forward(args, out, lse)             decode(args, out, lse)
+    backward(args, dout, out, lse, dq, dk, dv, dsinks)
+    softmax_rows(x, mask_kind, mask, out, n_threads)
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
 from .._inputs import MASK_BOOL, MASK_FLOAT, lse_dtype
+from .._tuning import Tuning, current_tuning
 
 _DUMMY_BOOL = np.zeros((1, 1, 1, 1), np.uint8)
-_DUMMY = {np.dtype(t): (np.zeros((1, 1, 1, 1), t), np.zeros((1, 1), t)) for t in (np.float32, np.float64)}
+_DUMMY = {np.dtype(t): (np.zeros((1, 1, 1, 1), t), np.zeros((1, 1), t), np.zeros(1, t))
+          for t in (np.float32, np.float64)}
+
+
+class KernelArgs(NamedTuple):
+    """One attention call as the compiled kernels see it. Shapes as in docs/KERNELS.md."""
+
+    q: np.ndarray              # (B, Hq, L, E)   T, C-contiguous
+    k: np.ndarray              # (B, Hkv, S, E)  T
+    v: np.ndarray              # (B, Hkv, S, Ev) T
+    mask_kind: int             # 0 none, 1 bool keep-mask, 2 float additive mask
+    mask_bool: np.ndarray      # (Bm, Hm, Lm, Sm) uint8, each dim 1 (broadcast) or full; dummy
+    mask_float: np.ndarray     # (Bm, Hm, Lm, Sm) T; dummy when mask_kind != 2
+    mask_strides: tuple        # element strides (b, h, i, j) of the active mask, 0 = broadcast
+    has_alibi: bool
+    alibi: np.ndarray          # (Ba, Hq) T, Ba in {1, B}; dummy (1, 1)
+    scale: float               # s = scale * q.k
+    softcap: float             # 0.0 = off
+    q_offset: int              # query row i sits at key position i + q_offset
+    win_left: int              # key j allowed iff pos_i - win_left <= j <= pos_i + win_right
+    win_right: int             #   (an unbounded side is L + S + 1; causal is win_right = 0)
+    dropout_p: float           # 0.0 = off
+    seed: int                  # uint32 held in a Python int
+    # Where this call's pieces sit in a larger problem, for the dropout hash (a chunk computed
+    # elsewhere keeps the whole problem's kept set): the hash's (bh, i, j) are
+    # (dropout_bh0 + b * dropout_bh_stride + h, dropout_row0 + i, dropout_col0 + j).
+    dropout_bh0: int
+    dropout_bh_stride: int     # Hq for a whole problem
+    dropout_row0: int
+    dropout_col0: int
+    has_sinks: bool
+    sinks: np.ndarray          # (Hq,) T: one logit per query head in the softmax denominator
+    n_threads: int
+    tuning: Tuning             # block sizes and prefetch options; 0 / -1 = the backend's choice
+
+
+def _mask_strides(mask: np.ndarray | None) -> tuple:
+    if mask is None:
+        return (0, 0, 0, 0)
+    shape = mask.shape
+    st, acc = [0, 0, 0, 0], 1
+    for ax in (3, 2, 1, 0):
+        st[ax] = 0 if shape[ax] == 1 else acc
+        acc *= shape[ax]
+    return tuple(st)
+
+
+def kernel_args(p, n_threads: int) -> KernelArgs:
+    """The record for Problem `p` (built once per call)."""
+    dummy_mask, dummy_alibi, dummy_sinks = _DUMMY[p.dtype]
+    band = p.band
+    has_alibi = p.alibi is not None
+    sinks = getattr(p, "sinks", None)
+    return KernelArgs(
+        q=p.q, k=p.k, v=p.v, mask_kind=int(p.mask_kind),
+        mask_bool=p.mask.view(np.uint8) if p.mask_kind == MASK_BOOL else _DUMMY_BOOL,
+        mask_float=p.mask if p.mask_kind == MASK_FLOAT else dummy_mask,
+        mask_strides=_mask_strides(p.mask if p.mask_kind else None),
+        has_alibi=has_alibi, alibi=p.alibi if has_alibi else dummy_alibi,
+        scale=float(p.scale), softcap=float(p.softcap), q_offset=int(band.q_offset),
+        win_left=int(band.left), win_right=int(band.right),
+        dropout_p=float(p.dropout_p), seed=int(p.seed),
+        dropout_bh0=0, dropout_bh_stride=int(p.q.shape[1]), dropout_row0=0, dropout_col0=0,
+        has_sinks=sinks is not None, sinks=sinks if sinks is not None else dummy_sinks,
+        n_threads=int(n_threads), tuning=current_tuning())
+
+
+def legacy_inputs(a: KernelArgs) -> tuple:
+    """The 15 positional arguments of the kernels before the record (transition only: a kernel
+    not yet converted to take the record is called with these)."""
+    return (a.q, a.k, a.v, a.mask_kind, a.mask_bool, a.mask_float, a.has_alibi, a.alibi,
+            a.scale, a.softcap, a.q_offset, a.win_left, a.win_right, a.dropout_p, a.seed)
 
 
 def forward_inputs(p) -> tuple:
-    """(q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi, scale, softcap,
-    q_offset, win_left, win_right, dropout_p, seed) as in the kernel spec."""
-    dummy_mask, dummy_alibi = _DUMMY[p.dtype]
-    mask_bool = p.mask.view(np.uint8) if p.mask_kind == MASK_BOOL else _DUMMY_BOOL
-    mask_float = p.mask if p.mask_kind == MASK_FLOAT else dummy_mask
-    has_alibi = p.alibi is not None
-    alibi = p.alibi if has_alibi else dummy_alibi
-    band = p.band
-    return (p.q, p.k, p.v, int(p.mask_kind), mask_bool, mask_float, has_alibi, alibi,
-            float(p.scale), float(p.softcap), int(band.q_offset), int(band.left), int(band.right),
-            float(p.dropout_p), int(p.seed))
+    """legacy_inputs of Problem `p` (transition only: the kernel tests still call the old
+    positional kernels with it)."""
+    return legacy_inputs(kernel_args(p, 1))
 
 
 def forward_outputs(p) -> tuple:

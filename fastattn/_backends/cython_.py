@@ -10,6 +10,7 @@ import os
 
 from .. import _process
 from ._compiled import CompiledBackend
+from ._kernel_args import legacy_inputs
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,11 +34,19 @@ def _import_kernels():
 
 class CythonBackend(CompiledBackend):
     name = "cython"
+    unsupported_options = {"sinks": "cython's kernels do not implement sinks yet"}
 
     def _load(self) -> None:
         self._k = k = _import_kernels()
-        self._forward_kernel, self._decode_kernel = k.forward, k.decode
-        self._backward_kernel, self._softmax_kernel = k.backward, k.softmax_rows
+        # transition: the extension's kernels still take positional arguments; these adapters
+        # unpack the record until they take it whole
+        self._forward_kernel = lambda a, out, lse: k.forward(*legacy_inputs(a), out, lse,
+                                                             a.n_threads)
+        self._decode_kernel = lambda a, out, lse: k.decode(*legacy_inputs(a), out, lse,
+                                                           a.n_threads)
+        self._backward_kernel = (lambda a, dout, out, lse, dq, dk, dv, dsinks: k.backward(
+            *legacy_inputs(a), dout, out, lse, dq, dk, dv, a.n_threads))
+        self._softmax_kernel = k.softmax_rows
         if _process.forked():
             # imported first in a fork() child: the parent may have used the same libgomp
             # (source builds share the system's), so stay off the pool, as the extension's own

@@ -14,6 +14,7 @@ import tempfile
 
 from .. import _process
 from ._compiled import CompiledBackend
+from ._kernel_args import legacy_inputs
 
 _KERNEL_MODULES = tuple("fastattn._numba." + m for m in (
     "_intrinsics", "_exp", "_hash", "_blas", "_tiles", "_gemm", "_bwd_ops", "forward", "decode",
@@ -51,11 +52,19 @@ def _import_kernels():
 
 class NumbaBackend(CompiledBackend):
     name = "numba"
+    unsupported_options = {"sinks": "numba's kernels do not implement sinks yet"}
 
     def _load(self) -> None:
         forward, decode, softmax, backward = _import_kernels()
-        self._forward_kernel, self._decode_kernel = forward.forward, decode.decode
-        self._backward_kernel, self._softmax_kernel = backward.backward, softmax.softmax_rows
+        # transition: the kernels still take positional arguments; these adapters unpack the
+        # record until they take it whole
+        self._forward_kernel = lambda a, out, lse: forward.forward(*legacy_inputs(a), out, lse,
+                                                                   a.n_threads)
+        self._decode_kernel = lambda a, out, lse: decode.decode(*legacy_inputs(a), out, lse,
+                                                                a.n_threads)
+        self._backward_kernel = (lambda a, dout, out, lse, dq, dk, dv, dsinks: backward.backward(
+            *legacy_inputs(a), dout, out, lse, dq, dk, dv, a.n_threads))
+        self._softmax_kernel = softmax.softmax_rows
 
     def not_supported_reasons(self, problem, op):
         reasons = super().not_supported_reasons(problem, op)
