@@ -10,13 +10,16 @@ from .api import (attention, merge_attention, merge_heads, multihead, scaled_dot
                   scaled_dot_product_attention_backward, softmax, split_heads)
 from ._backends import (BackendInfo, BackendUnavailableError, backends, get_backend, set_backend,
                        use_backend)
+from .inference import attention_with_kvcache, varlen_attention, varlen_attention_backward
 from .masks import causal_mask, padding_mask, sliding_window_mask
+from .nn import KVCache
 
 __version__ = "0.1.0"
 
 __all__ = [
     "scaled_dot_product_attention", "scaled_dot_product_attention_backward", "merge_attention", "softmax", "attention", "multihead",
-    "split_heads", "merge_heads", "causal_mask", "padding_mask", "sliding_window_mask",
+    "split_heads", "merge_heads", "attention_with_kvcache", "varlen_attention",
+    "varlen_attention_backward", "KVCache", "causal_mask", "padding_mask", "sliding_window_mask",
     "backends", "get_backend", "set_backend", "use_backend", "BackendInfo",
     "BackendUnavailableError", "__version__",
 ]

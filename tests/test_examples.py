@@ -48,3 +48,13 @@ def test_training_with_fastattn_backward_lowers_the_loss():
     hist = mod.train(steps=120, verbose=False)
     assert abs(hist[0] - np.log(mod.VOCAB)) < 0.3            # starts at chance
     assert np.mean(hist[-10:]) < 0.2 * hist[0]               # and learns the copy
+
+
+@pytest.mark.parametrize("lang", ["pt", "en"])
+def test_glassllm_generates_the_same_tokens_through_fastattn(lang):
+    pytest.importorskip("glassllm", reason="glassllm (the test extra) is not installed")
+    mod = load("glassllm_generate")
+    r = mod.compare(lang, n_new=16)
+    assert r["n_new"] == 16
+    assert r["same_tokens"], r["text"]
+    assert r["err_fastattn"] <= r["bound"], r

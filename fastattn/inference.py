@@ -1,0 +1,396 @@
+"""Inference functions with flash-attn's layout: a KV cache appended in place, packed ragged batches.
+
+`attention_with_kvcache` and `varlen_attention` take flash-attn's layouts, because that is the
+code users port: tokens before heads, `q (B, Lq, Hq, E)`, caches `(B_cache, S_max, Hkv, E)` or
+paged `(num_pages, page_size, Hkv, E)` with a `block_table`, packed `(total, H, E)` arrays with
+`cu_seqlens`. (`scaled_dot_product_attention` keeps torch's heads-before-sequence layout.)
+
+Every argument is checked before anything is written, so a rejected call leaves the cache
+byte-for-byte as it was. Each sequence is computed by `scaled_dot_product_attention` over its
+own keys only (causal bottom-right, as flash-attn does for these functions): a ragged batch
+costs the sum of its sequences, not batch x longest.
+
+What is not done yet (see the issue tracker): the kernels read the flash-attn layout through a
+copy of each sequence's keys (`(S, Hkv, E)` -> `(Hkv, S, E)`; for a paged cache, a gather of its
+pages) instead of in place, and sequences of different lengths are separate kernel calls.
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from ._inputs import as_float_array, check_same_dtype, describe
+from .api import scaled_dot_product_attention, scaled_dot_product_attention_backward
+
+__all__ = ["attention_with_kvcache", "varlen_attention", "varlen_attention_backward"]
+
+
+# ----------------------------------------------------------------------------------------------
+# checks (all of them run before the cache is touched)
+# ----------------------------------------------------------------------------------------------
+def _int_vector(x, name: str, n: int | None, fn: str, *, allow_scalar: bool = False) -> np.ndarray:
+    """An int32 vector (flash-attn's index dtype) of length n, non-negative, as int64 for the
+    index arithmetic here."""
+    if allow_scalar and isinstance(x, (numbers.Integral, np.integer)) and not isinstance(
+            x, (bool, np.bool_)):
+        if x < 0:
+            raise ValueError(f"{fn}: {name} must be >= 0, got {int(x)}")
+        return np.full(n, int(x), np.int64)
+    arr = x if isinstance(x, np.ndarray) else None
+    if arr is None or arr.dtype != np.int32:
+        raise TypeError(f"{fn}: {name} must be an int32 array"
+                        + (" (or a Python int)" if allow_scalar else "") + f", got {describe(x)}")
+    if arr.ndim != 1 or (n is not None and arr.shape[0] != n):
+        want = f"({n},)" if n is not None else "1-D"
+        raise ValueError(f"{fn}: {name} must have shape {want}, got {arr.shape}")
+    if arr.size and arr.min() < 0:
+        raise ValueError(f"{fn}: {name} must be non-negative, got {arr.tolist()[:16]}")
+    return arr.astype(np.int64)
+
+
+def _heads_layout(x, name: str, fn: str, ndim: int = 4) -> np.ndarray:
+    arr = as_float_array(x, name, fn)
+    if arr.ndim != ndim:
+        layout = "(batch, seqlen, heads, head_dim)" if ndim == 4 else "(total, heads, head_dim)"
+        raise ValueError(f"{fn}: {name} must be {ndim}-D {layout}, got shape {arr.shape}")
+    return arr
+
+
+def _rotary_tables(rotary_cos, rotary_sin, E: int, fn: str):
+    if rotary_cos is None and rotary_sin is None:
+        return None
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError(f"{fn}: rotary_cos and rotary_sin go together, got only "
+                         f"{'rotary_cos' if rotary_sin is None else 'rotary_sin'}")
+    cos = as_float_array(rotary_cos, "rotary_cos", fn)
+    sin = as_float_array(rotary_sin, "rotary_sin", fn)
+    if cos.ndim != 2 or cos.shape != sin.shape:
+        raise ValueError(f"{fn}: rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2),"
+                         f" got {cos.shape} and {sin.shape}")
+    if 2 * cos.shape[1] > E or cos.shape[1] == 0:
+        raise ValueError(f"{fn}: rotary_dim = 2 * rotary_cos.shape[1] = {2 * cos.shape[1]} must be "
+                         f"in [2, head_dim = {E}]")
+    return cos, sin
+
+
+def _rotate(x: np.ndarray, pos: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+            interleaved: bool) -> np.ndarray:
+    """x (n, H, E) rotated at positions pos (n,): GPT-J pairs (0,1),(2,3)... when interleaved,
+    GPT-NeoX halves [0, r/2) with [r/2, r) otherwise; dims past rotary_dim r are kept."""
+    half = cos.shape[1]
+    c = cos[pos][:, None, :].astype(x.dtype)          # (n, 1, r/2)
+    s = sin[pos][:, None, :].astype(x.dtype)
+    out = x.copy()
+    if interleaved:
+        a, b = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        out[..., 0:2 * half:2] = a * c - b * s
+        out[..., 1:2 * half:2] = a * s + b * c
+    else:
+        a, b = x[..., :half], x[..., half:2 * half]
+        out[..., :half] = a * c - b * s
+        out[..., half:2 * half] = a * s + b * c
+    return out
+
+
+def _alibi_row(alibi_slopes, b: int, B: int, Hq: int, fn: str):
+    if alibi_slopes is None:
+        return None
+    a = as_float_array(alibi_slopes, "alibi_slopes", fn)
+    if a.shape == (Hq,):
+        return a
+    if a.shape == (B, Hq):
+        return a[b]
+    raise ValueError(f"{fn}: alibi_slopes must have shape (Hq,) = ({Hq},) or (batch, Hq) = "
+                     f"({B}, {Hq}), got {a.shape}")
+
+
+# ----------------------------------------------------------------------------------------------
+# attention against a KV cache
+# ----------------------------------------------------------------------------------------------
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
+                           cache_batch_idx=None, block_table=None, rotary_cos=None,
+                           rotary_sin=None, rotary_interleaved=False, is_causal=True, window=None,
+                           softcap=None, alibi_slopes=None, sinks=None, scale=None,
+                           return_lse=False, backend=None):
+    """Append new keys/values to a KV cache in place, then attend to the cache (flash-attn layout).
+
+    q : (B, Lq, Hq, E).
+    k_cache, v_cache : (B_cache, S_max, Hkv, E / Ev), or with `block_table` a paged cache
+        (num_pages, page_size, Hkv, E / Ev). Written in place (must be writeable).
+    k, v : optional new tokens (B, Lnew, Hkv, E / Ev), written at positions
+        cache_seqlens[b] ... + Lnew - 1 of sequence b (after rotary, when given).
+    cache_seqlens : int32 (B,) (or an int): tokens already in each sequence's cache. Not updated
+        here (see fastattn.KVCache, which keeps the lengths).
+    cache_batch_idx : int32 (B,): which cache row serves batch element b (contiguous cache only;
+        distinct when k/v are given). Default: row b.
+    block_table : int32 (B, max_pages): the pages of sequence b in order; page p holds its
+        positions p*page_size ... (p+1)*page_size - 1. Pages used by live sequences must be
+        distinct.
+    rotary_cos, rotary_sin : (seqlen_ro, rotary_dim / 2): rotary embedding applied to q and the
+        new k at their absolute positions (GPT-J pairs when rotary_interleaved, GPT-NeoX halves
+        otherwise). As in flash-attn, q rows sit at cache_seqlens[b] + i when is_causal or a
+        window is given, and all at cache_seqlens[b] otherwise.
+    Then q of sequence b attends to its first cache_seqlens[b] + Lnew keys, causal bottom-right
+    when is_causal (the last query sits on the last key). window, softcap, alibi_slopes ((Hq,)
+    or (B, Hq)), sinks, scale: as in scaled_dot_product_attention.
+
+    Returns out (B, Lq, Hq, Ev), and lse (B, Hq, Lq) when return_lse.
+    """
+    fn = "attention_with_kvcache"
+    q = _heads_layout(q, "q", fn)
+    k_cache = _heads_layout(k_cache, "k_cache", fn)
+    v_cache = _heads_layout(v_cache, "v_cache", fn)
+    B, Lq, Hq, E = q.shape
+    paged = block_table is not None
+    n_slots, slot_len, Hkv, Ek = k_cache.shape
+    Ev = v_cache.shape[3]
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"{fn}: k_cache and v_cache must agree on all but the last axis, got "
+                         f"{k_cache.shape} and {v_cache.shape}")
+    if Ek != E:
+        raise ValueError(f"{fn}: q and k_cache must have the same head dim, got q {q.shape} and "
+                         f"k_cache {k_cache.shape}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"{fn}: the query heads ({Hq}) must be a multiple of the cache's kv heads "
+                         f"({Hkv})")
+    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    if (k is None) != (v is None):
+        raise ValueError(f"{fn}: k and v go together, got only {'k' if v is None else 'v'}")
+    if k is not None:
+        k = _heads_layout(k, "k", fn)
+        v = _heads_layout(v, "v", fn)
+        named.update(k=k, v=v)
+        if k.shape[:3] != v.shape[:3] or k.shape[0] != B or k.shape[2] != Hkv:
+            raise ValueError(f"{fn}: k and v must be (B={B}, Lnew, Hkv={Hkv}, head_dim), got "
+                             f"k {k.shape} and v {v.shape}")
+        if k.shape[3] != E or v.shape[3] != Ev:
+            raise ValueError(f"{fn}: k and v must have the cache's head dims ({E}, {Ev}), got "
+                             f"k {k.shape} and v {v.shape}")
+        for name in ("k_cache", "v_cache"):
+            if not named[name].flags.writeable:
+                raise ValueError(f"{fn}: {name} is read-only; the new keys/values are written "
+                                 f"into it in place")
+    check_same_dtype(fn, **named)
+    Lnew = 0 if k is None else k.shape[1]
+    lens = _int_vector(cache_seqlens, "cache_seqlens", B, fn, allow_scalar=True)
+    total = lens + Lnew                                   # keys each sequence attends
+    if paged:
+        if cache_batch_idx is not None:
+            raise ValueError(f"{fn}: cache_batch_idx applies to a contiguous cache, not with "
+                             f"block_table")
+        bt = block_table if isinstance(block_table, np.ndarray) else None
+        if bt is None or bt.dtype != np.int32 or bt.ndim != 2 or bt.shape[0] != B:
+            raise TypeError(f"{fn}: block_table must be an int32 array (B={B}, max_pages), got "
+                            f"{describe(block_table)}")
+        page_size = slot_len
+        capacity = bt.shape[1] * page_size
+        if page_size == 0 and total.max(initial=0) > 0:
+            raise ValueError(f"{fn}: the paged cache has page_size 0")
+        pages_used = [bt[b, :-(-int(total[b]) // page_size)] if total[b] else bt[b, :0]
+                      for b in range(B)]
+        used = np.concatenate(pages_used) if pages_used else np.zeros(0, np.int32)
+        if used.size and (used.min() < 0 or used.max() >= n_slots):
+            bad = used[(used < 0) | (used >= n_slots)][:8].tolist()
+            raise ValueError(f"{fn}: block_table entries must be pages in [0, {n_slots}), got "
+                             f"{bad} among the pages in use")
+        if np.unique(used).size != used.size:
+            raise ValueError(f"{fn}: block_table gives the same page to more than one position "
+                             f"of the live sequences (pages in use: {used.tolist()[:32]})")
+    else:
+        capacity = slot_len
+        if cache_batch_idx is None:
+            rows = np.arange(B)
+            if B > n_slots:
+                raise ValueError(f"{fn}: q has batch {B} but the cache only {n_slots} rows; pass "
+                                 f"cache_batch_idx")
+        else:
+            rows = _int_vector(cache_batch_idx, "cache_batch_idx", B, fn)
+            if rows.size and rows.max() >= n_slots:
+                raise ValueError(f"{fn}: cache_batch_idx entries must be < B_cache = {n_slots}, "
+                                 f"got {rows.tolist()[:16]}")
+            if k is not None and np.unique(rows).size != rows.size:
+                raise ValueError(f"{fn}: cache_batch_idx must be distinct when k/v are written, "
+                                 f"got {rows.tolist()[:16]}")
+    if total.size and total.max() > capacity:
+        b = int(np.argmax(total))
+        raise ValueError(f"{fn}: cache_seqlens[{b}] + Lnew = {int(lens[b])} + {Lnew} exceeds the "
+                         f"cache's capacity of {capacity} tokens per sequence")
+    rot = _rotary_tables(rotary_cos, rotary_sin, E, fn)
+    banded = bool(is_causal) or (isinstance(window, (tuple, list)) and
+                                 any(w is not None and w != -1 for w in window))
+    if rot is not None:
+        need = int((lens + max(Lnew, Lq if banded else 1)).max(initial=0))
+        if need > rot[0].shape[0]:
+            raise ValueError(f"{fn}: rotary_cos/rotary_sin have {rot[0].shape[0]} positions, the "
+                             f"call needs {need}")
+    # every option of the attention itself is checked by scaled_dot_product_attention: run the
+    # first sequence's checks on an empty problem now, so a bad option is rejected before writing
+    opts = dict(is_causal=bool(is_causal), causal_alignment="bottom_right", window=window,
+                softcap=softcap, scale=scale, enable_gqa=Hq != Hkv, backend=backend)
+    if sinks is not None:
+        opts["sinks"] = sinks
+    scaled_dot_product_attention(q[:0, :0].transpose(0, 2, 1, 3), k_cache[:0, :0].transpose(0, 2, 1, 3),
+                                 v_cache[:0, :0].transpose(0, 2, 1, 3), **opts)
+    alibis = [_alibi_row(alibi_slopes, b, B, Hq, fn) for b in range(B)]
+
+    # ---- write the new tokens (nothing was written before this point) ----
+    if k is not None and Lnew:
+        for b in range(B):
+            kb = k[b]
+            if rot is not None:
+                kb = _rotate(kb, lens[b] + np.arange(Lnew), *rot, rotary_interleaved)
+            pos = lens[b] + np.arange(Lnew)
+            if paged:
+                page = block_table[b, pos // page_size]
+                k_cache[page, pos % page_size] = kb
+                v_cache[page, pos % page_size] = v[b]
+            else:
+                k_cache[rows[b], pos] = kb
+                v_cache[rows[b], pos] = v[b]
+
+    # ---- attend: one call when every sequence has the same length in a contiguous cache
+    # and no rotary query positions differ, else sequence by sequence ----
+    if (not paged and B > 1 and np.all(total == total[0]) and rot is None
+            and (alibi_slopes is None or np.shape(alibi_slopes) == (Hq,))):
+        n = int(total[0])
+        tr = (0, 2, 1, 3)
+        out, lse = scaled_dot_product_attention(
+            q.transpose(tr), k_cache[rows, :n].transpose(tr), v_cache[rows, :n].transpose(tr),
+            alibi_slopes=alibis[0], return_lse=True, **opts)
+        out = out.transpose(tr)
+        return (out, lse) if return_lse else out
+    out = np.empty((B, Lq, Hq, Ev), q.dtype)
+    lse = np.empty((B, Hq, Lq), np.float64 if q.dtype == np.float64 else np.float32)
+    for b in range(B):
+        n = int(total[b])
+        if paged:
+            pages = block_table[b, :-(-n // page_size)] if n else block_table[b, :0]
+            kb = k_cache[pages].reshape(-1, Hkv, E)[:n]
+            vb = v_cache[pages].reshape(-1, Hkv, Ev)[:n]
+        else:
+            kb, vb = k_cache[rows[b], :n], v_cache[rows[b], :n]
+        qb = q[b]
+        if rot is not None:
+            qpos = lens[b] + (np.arange(Lq) if banded else np.zeros(Lq, np.int64))
+            qb = _rotate(qb, qpos, *rot, rotary_interleaved)
+        ob, lb = scaled_dot_product_attention(
+            qb.transpose(1, 0, 2), kb.transpose(1, 0, 2), vb.transpose(1, 0, 2),
+            alibi_slopes=alibis[b], return_lse=True, **opts)
+        out[b] = ob.transpose(1, 0, 2)
+        lse[b] = lb
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------------------------
+# packed ragged batches
+# ----------------------------------------------------------------------------------------------
+def _cu_seqlens(cu, name: str, total: int, fn: str) -> np.ndarray:
+    arr = cu if isinstance(cu, np.ndarray) else None
+    if arr is None or arr.dtype != np.int32 or arr.ndim != 1 or arr.size < 1:
+        raise TypeError(f"{fn}: {name} must be a 1-D int32 array (batch + 1,), got {describe(cu)}")
+    c = arr.astype(np.int64)
+    if c[0] != 0 or np.any(np.diff(c) < 0):
+        raise ValueError(f"{fn}: {name} must start at 0 and be non-decreasing, got "
+                         f"{arr.tolist()[:16]}")
+    if c[-1] != total:
+        raise ValueError(f"{fn}: {name}[-1] = {int(c[-1])} must equal the packed length {total}")
+    return c
+
+
+def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, fn):
+    q = _heads_layout(q, "q", fn, 3)
+    k = _heads_layout(k, "k", fn, 3)
+    v = _heads_layout(v, "v", fn, 3)
+    check_same_dtype(fn, q=q, k=k, v=v)
+    if k.shape[:2] != v.shape[:2] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"{fn}: q (total_q, Hq, E), k (total_k, Hkv, E), v (total_k, Hkv, Ev) "
+                         f"do not fit together: {q.shape}, {k.shape}, {v.shape}")
+    cq = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], fn)
+    ck = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], fn)
+    if cq.size != ck.size:
+        raise ValueError(f"{fn}: cu_seqlens_q and cu_seqlens_k must describe the same number of "
+                         f"sequences, got {cq.size - 1} and {ck.size - 1}")
+    for name, cu, mx in (("max_seqlen_q", cq, max_seqlen_q), ("max_seqlen_k", ck, max_seqlen_k)):
+        if mx is not None and cu.size > 1 and np.diff(cu).max() > mx:
+            raise ValueError(f"{fn}: a sequence is longer than {name} = {mx} "
+                             f"(longest: {int(np.diff(cu).max())})")
+    return q, k, v, cq, ck
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
+                     max_seqlen_k=None, is_causal=False, window=None, softcap=None,
+                     alibi_slopes=None, sinks=None, scale=None, return_lse=False, backend=None):
+    """Attention over a packed ragged batch (flash-attn's varlen layout).
+
+    q (total_q, Hq, E), k (total_k, Hkv, E), v (total_k, Hkv, Ev): the sequences one after the
+    other; sequence i is q[cu_seqlens_q[i]:cu_seqlens_q[i+1]] against
+    k[cu_seqlens_k[i]:cu_seqlens_k[i+1]] (int32 arrays of batch + 1 offsets). Each sequence
+    attends only within itself; is_causal is bottom-right per sequence (flash-attn). GQA when
+    Hq != Hkv. window, softcap, alibi_slopes ((Hq,) or (batch, Hq)), sinks, scale as in
+    scaled_dot_product_attention. max_seqlen_q/k are optional checks (flash-attn needs them to
+    size its grid). Returns out (total_q, Hq, Ev), and lse (Hq, total_q) when return_lse.
+    """
+    fn = "varlen_attention"
+    q, k, v, cq, ck = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                      max_seqlen_k, fn)
+    n_seq, Hq, Hkv = cq.size - 1, q.shape[1], k.shape[1]
+    opts = dict(is_causal=bool(is_causal), causal_alignment="bottom_right", window=window,
+                softcap=softcap, scale=scale, enable_gqa=Hq != Hkv, backend=backend)
+    if sinks is not None:
+        opts["sinks"] = sinks
+    alibis = [_alibi_row(alibi_slopes, i, n_seq, Hq, fn) for i in range(n_seq)]
+    out = np.empty(q.shape[:2] + (v.shape[2],), q.dtype)
+    lse = np.empty((Hq, q.shape[0]), np.float64 if q.dtype == np.float64 else np.float32)
+    for i in range(n_seq):
+        qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        o, s = scaled_dot_product_attention(
+            q[qs].transpose(1, 0, 2), k[ks].transpose(1, 0, 2), v[ks].transpose(1, 0, 2),
+            alibi_slopes=alibis[i], return_lse=True, **opts)
+        out[qs] = o.transpose(1, 0, 2)
+        lse[:, qs] = s
+    return (out, lse) if return_lse else out
+
+
+def varlen_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
+                              max_seqlen_q=None, max_seqlen_k=None, is_causal=False, window=None,
+                              softcap=None, alibi_slopes=None, sinks=None, scale=None,
+                              backend=None):
+    """Gradients (dq, dk, dv) of varlen_attention, packed like q, k, v (and dsinks, summed over
+    the sequences, as a fourth value when sinks are given). out and lse are the forward's
+    (return_lse=True); every other argument must be what the forward was called with."""
+    fn = "varlen_attention_backward"
+    q, k, v, cq, ck = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                      max_seqlen_k, fn)
+    n_seq, Hq, Hkv = cq.size - 1, q.shape[1], k.shape[1]
+    g = as_float_array(grad_out, "grad_out", fn)
+    o = as_float_array(out, "out", fn)
+    want = q.shape[:2] + (v.shape[2],)
+    for name, arr in (("grad_out", g), ("out", o)):
+        if arr.shape != want:
+            raise ValueError(f"{fn}: {name} must have shape {want}, got {arr.shape}")
+    s = as_float_array(lse, "lse", fn)
+    if s.shape != (Hq, q.shape[0]):
+        raise ValueError(f"{fn}: lse must have shape (Hq, total_q) = {(Hq, q.shape[0])}, got "
+                         f"{s.shape}")
+    opts = dict(is_causal=bool(is_causal), causal_alignment="bottom_right", window=window,
+                softcap=softcap, scale=scale, enable_gqa=Hq != Hkv, backend=backend)
+    if sinks is not None:
+        opts["sinks"] = sinks
+    alibis = [_alibi_row(alibi_slopes, i, n_seq, Hq, fn) for i in range(n_seq)]
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    dsinks = None
+    for i in range(n_seq):
+        qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        t = lambda x: x.transpose(1, 0, 2)                        # noqa: E731
+        grads = scaled_dot_product_attention_backward(
+            t(g[qs]), t(q[qs]), t(k[ks]), t(v[ks]), t(o[qs]), s[:, qs],
+            alibi_slopes=alibis[i], **opts)
+        dq[qs], dk[ks], dv[ks] = t(grads[0]), t(grads[1]), t(grads[2])
+        if len(grads) > 3:
+            dsinks = grads[3] if dsinks is None else dsinks + grads[3]
+    if sinks is not None:
+        if dsinks is None:
+            dsinks = np.zeros(np.shape(sinks), q.dtype)
+        return dq, dk, dv, dsinks
+    return dq, dk, dv

@@ -1,0 +1,111 @@
+"""Layers around the attention functions: a KV cache that owns its arrays and lengths.
+
+    cache = fa.KVCache(batch=1, max_len=2048, kv_heads=8, head_dim=64)
+    for token in ...:                                      # one line per layer in the loop
+        out = cache.attend(q, k_new, v_new, rotary_cos=cos, rotary_sin=sin)
+
+The arrays have flash-attn's layout ((batch, max_len, kv_heads, head_dim), or pages of
+(page_size, kv_heads, head_dim) with a block table); `attend` writes the new tokens in place
+(O(kv_heads * head_dim) per token, no copy of the cache) and advances the lengths only when the
+call succeeded.
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from ._inputs import compute_dtype, describe
+from .inference import attention_with_kvcache
+
+__all__ = ["KVCache"]
+
+
+def _size(x, name: str, positive: bool = True) -> int:
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Integral, np.integer)):
+        raise TypeError(f"KVCache: {name} must be an int, got {describe(x)}")
+    if x < (1 if positive else 0):
+        raise ValueError(f"KVCache: {name} must be {'>= 1' if positive else '>= 0'}, got {int(x)}")
+    return int(x)
+
+
+class KVCache:
+    """Keys and values of `batch` sequences of up to `max_len` tokens, for one attention layer.
+
+    page_size=None: contiguous arrays (batch, max_len, kv_heads, head_dim). With a page size, a
+    paged cache (batch * pages_per_seq, page_size, kv_heads, head_dim) and its int32
+    block_table (batch, pages_per_seq) (sequence b owns pages b * pages_per_seq ...).
+    value_dim defaults to head_dim. `seqlens` (int32, (batch,)) counts the tokens held.
+    """
+
+    def __init__(self, batch, max_len, kv_heads, head_dim, dtype=np.float32, page_size=None, *,
+                 value_dim=None):
+        self.batch = _size(batch, "batch")
+        self.max_len = _size(max_len, "max_len", positive=False)
+        kv_heads = _size(kv_heads, "kv_heads")
+        head_dim = _size(head_dim, "head_dim")
+        value_dim = head_dim if value_dim is None else _size(value_dim, "value_dim")
+        self.dtype = np.dtype(dtype)
+        if compute_dtype(self.dtype) is None:
+            raise TypeError(f"KVCache: dtype must be a float dtype, got {self.dtype}")
+        self.page_size = None if page_size is None else _size(page_size, "page_size")
+        if self.page_size is None:
+            shape = (self.batch, self.max_len)
+            self.block_table = None
+        else:
+            per_seq = -(-self.max_len // self.page_size)
+            shape = (self.batch * per_seq, self.page_size)
+            self.block_table = np.arange(self.batch * per_seq, dtype=np.int32).reshape(
+                self.batch, per_seq)
+        self.k = np.zeros(shape + (kv_heads, head_dim), self.dtype)
+        self.v = np.zeros(shape + (kv_heads, value_dim), self.dtype)
+        self.seqlens = np.zeros(self.batch, np.int32)
+
+    @property
+    def capacity(self) -> int:
+        """Tokens one sequence can hold (max_len rounded up to whole pages)."""
+        if self.block_table is None:
+            return self.max_len
+        return self.block_table.shape[1] * self.page_size
+
+    def attend(self, q, k=None, v=None, **options):
+        """Append k, v (batch, Lnew, kv_heads, dim) at each sequence's end, then attend q
+        (batch, Lq, Hq, head_dim) to everything held; options as attention_with_kvcache
+        (is_causal=True by default, rotary, window, softcap, ...). Returns what it returns."""
+        result = attention_with_kvcache(q, self.k, self.v, k, v, cache_seqlens=self.seqlens,
+                                        block_table=self.block_table, **options)
+        if k is not None:
+            self.seqlens += np.int32(np.shape(k)[1])
+        return result
+
+    def reset(self) -> None:
+        """Forget every sequence's tokens (the arrays are kept for reuse)."""
+        self.seqlens[:] = 0
+
+    def trim(self, length) -> None:
+        """Keep at most `length` tokens per sequence (an int, or one per sequence)."""
+        n = np.asarray(length)
+        if not np.issubdtype(n.dtype, np.integer) or n.shape not in ((), (self.batch,)):
+            raise TypeError(f"KVCache.trim: length must be an int or {self.batch} ints, got "
+                            f"{describe(length)}")
+        if np.any(n < 0):
+            raise ValueError(f"KVCache.trim: length must be >= 0, got {n.tolist()}")
+        self.seqlens[:] = np.minimum(self.seqlens, n).astype(np.int32)
+
+    def reorder(self, batch_idx) -> None:
+        """Sequence b becomes a copy of sequence batch_idx[b] (beam search keeps its best
+        beams); indices may repeat. Copies the held tokens only."""
+        idx = np.asarray(batch_idx)
+        if not np.issubdtype(idx.dtype, np.integer) or idx.shape != (self.batch,):
+            raise TypeError(f"KVCache.reorder: batch_idx must be {self.batch} ints, got "
+                            f"{describe(batch_idx)}")
+        if idx.size and (idx.min() < 0 or idx.max() >= self.batch):
+            raise ValueError(f"KVCache.reorder: batch_idx entries must be in [0, {self.batch}), "
+                             f"got {idx.tolist()}")
+        n = int(self.seqlens[idx].max(initial=0))
+        # the pages of sequence b are b * per_seq ... in order, so both layouts are one
+        # (batch, capacity, heads, dim) array underneath
+        for arr in (self.k, self.v):
+            seqs = arr.reshape((self.batch, self.capacity) + arr.shape[2:])
+            seqs[:, :n] = seqs[idx, :n]
+        self.seqlens[:] = self.seqlens[idx]
