@@ -340,9 +340,25 @@ def check_alibi(alibi_slopes, batch_shape: tuple, Hq: int, B: int, dtype, fn: st
     return np.ascontiguousarray(a2, dtype=dtype)
 
 
+def check_sinks(sinks, Hq: int, dtype, fn: str) -> np.ndarray:
+    """The sink logits as a contiguous (Hq,) array in the compute dtype.
+
+    One logit per query head, as gpt-oss and StreamingLLM learn them; any float dtype (like
+    alibi_slopes and float masks). -inf means "no sink" for that head. NaN and +inf are kept, not
+    rejected: they take part in every row of their head, so by the NaN rule those rows come out
+    NaN (torch's softmax over the scores with the sink appended does the same).
+    """
+    s = as_float_array(sinks, "sinks", fn)
+    if s.shape != (Hq,):
+        raise ValueError(f"{fn}: sinks must have shape (Hq,) = ({Hq},), one logit per query "
+                         f"head, got shape {s.shape}")
+    return np.ascontiguousarray(s, dtype=dtype)
+
+
 def make_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                  enable_gqa=False, *, causal_alignment="top_left", window=None, softcap=None,
-                 alibi_slopes=None, rng=None, fn="scaled_dot_product_attention") -> Problem:
+                 alibi_slopes=None, sinks=None, rng=None,
+                 fn="scaled_dot_product_attention") -> Problem:
     """Validate the arguments of scaled_dot_product_attention and build the canonical Problem."""
     q, k, v, in_dtype, batch_shape, Hq, Hkv = check_qkv(query, key, value, enable_gqa, fn)
     if not isinstance(is_causal, (bool, np.bool_)):
@@ -382,4 +398,6 @@ def make_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
             problem.mask = mask_to_4d(m, batch_shape, head_axis, B, cdt)
     if alibi_slopes is not None:
         problem.alibi = check_alibi(alibi_slopes, batch_shape, Hq, B, cdt, fn)
+    if sinks is not None:
+        problem.sinks = check_sinks(sinks, Hq, cdt, fn)
     return problem

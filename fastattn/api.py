@@ -28,8 +28,8 @@ def _numpy():
 # ----------------------------------------------------------------------------------------------
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False, *, causal_alignment="top_left",
-                                 window=None, softcap=None, alibi_slopes=None, return_lse=False,
-                                 rng=None, backend=None):
+                                 window=None, softcap=None, alibi_slopes=None, sinks=None,
+                                 return_lse=False, rng=None, backend=None):
     """Exact attention softmax(scale * Q K^T + bias) V on ndarrays, torch-compatible.
 
     Parameters
@@ -49,19 +49,23 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     window : (left, right) sliding window around each query's aligned position; None/-1 unbounded.
     softcap : s = softcap * tanh(s / softcap) before masking (Gemma-2 style); None = off.
     alibi_slopes : (Hq,) or (batch, Hq); adds -slope * |pos_q - pos_k| to the scores.
-    return_lse : also return the log-sum-exp of the scores, shape (..., Hq, L), float32
-        (float64 for float64 input), natural log, -inf for rows with no key.
+    sinks : (Hq,) float array, one "attention sink" logit per query head (gpt-oss, StreamingLLM):
+        a term exp(sink_h) added to every row's softmax denominator, with no value vector, so
+        the weights of the real keys sum to less than 1. lse includes it. Not dropped by
+        dropout. -inf = no sink for that head; a NaN (or +inf) sink makes its head's rows NaN.
+    return_lse : also return the log-sum-exp of the scores (and the sink), shape (..., Hq, L),
+        float32 (float64 for float64 input), natural log, -inf for rows with no key and no sink.
     rng : int seed or numpy Generator for dropout (use the same int seed in the backward).
     backend : "auto" (default), "cython", "numba" or "numpy".
 
     Returns
     -------
     out (..., Hq, L, Ev) in the input dtype, and lse if return_lse. A row whose keys are all
-    masked gives 0 (and lse -inf), never NaN.
+    masked gives 0 (and lse -inf, or the head's sink with sinks), never NaN.
     """
     p = make_problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                      causal_alignment=causal_alignment, window=window, softcap=softcap,
-                     alibi_slopes=alibi_slopes, rng=rng)
+                     alibi_slopes=alibi_slopes, sinks=sinks, rng=rng)
     be = _backends.resolve(p, "forward", backend)
     if p.is_empty or p.q.shape[3] == 0:
         be = _numpy()            # degenerate sizes: the NumPy code path handles every edge
@@ -83,9 +87,9 @@ def _saved(x, name: str, shape: tuple, dtype, fn: str) -> np.ndarray:
 def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse, attn_mask=None,
                                           dropout_p=0.0, is_causal=False, scale=None,
                                           enable_gqa=False, *, causal_alignment="top_left",
-                                          window=None, softcap=None, alibi_slopes=None, rng=None,
-                                          backend=None):
-    """Gradients (dq, dk, dv) of scaled_dot_product_attention, FlashAttention-2 style.
+                                          window=None, softcap=None, alibi_slopes=None,
+                                          sinks=None, rng=None, backend=None):
+    """Gradients (dq, dk, dv[, dsinks]) of scaled_dot_product_attention, FlashAttention-2 style.
 
     grad_out : upstream gradient, shaped like the forward's output (..., Hq, L, Ev).
     out, lse : the forward's output and log-sum-exp (return_lse=True); the attention weights are
@@ -96,11 +100,13 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
 
     Returns dq, dk, dv shaped and typed like query, key, value. Under GQA, dk/dv are summed
     over the query heads of each group. Rows whose keys were all masked get zero gradients.
+    With sinks, a fourth value: dsinks, shaped and typed like sinks,
+    dsinks_h = -sum over batch and rows of exp(sink_h - lse) * rowsum(grad_out * out).
     """
     fn = "scaled_dot_product_attention_backward"
     p = make_problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                      causal_alignment=causal_alignment, window=window, softcap=softcap,
-                     alibi_slopes=alibi_slopes, rng=rng, fn=fn)
+                     alibi_slopes=alibi_slopes, sinks=sinks, rng=rng, fn=fn)
     B, Hq, L, _ = p.q.shape
     Ev = p.v.shape[3]
     dout = _saved(grad_out, "grad_out", p.out_shape, p.dtype, fn).reshape(B, Hq, L, Ev)
@@ -109,12 +115,15 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
     be = _backends.resolve(p, "backward", backend)
     if p.is_empty:
         be = _numpy()
-    dq, dk, dv = be.backward(p, dout, fwd_out, fwd_lse)[:3]   # a 4th, dsinks, with sinks
+    dq, dk, dv, dsinks = be.backward(p, dout, fwd_out, fwd_lse)
     shapes = (np.shape(query), np.shape(key), np.shape(value))
-    return tuple(g.astype(p.in_dtype, copy=False).reshape(s) for g, s in zip((dq, dk, dv), shapes))
+    grads = tuple(g.astype(p.in_dtype, copy=False).reshape(s) for g, s in zip((dq, dk, dv), shapes))
+    if sinks is None:
+        return grads
+    return grads + (dsinks.astype(np.asarray(sinks).dtype, copy=False),)
 
 
-def merge_attention(outs, lses):
+def merge_attention(outs, lses, *, sinks=None):
     """Combine attention results computed over disjoint sets of keys.
 
     outs : sequence of (..., L, Ev) arrays (or one array with the parts on axis 0);
@@ -122,6 +131,11 @@ def merge_attention(outs, lses):
     attended at once: out = sum_i exp(lse_i - lse) * out_i, lse = logsumexp_i(lse_i).
     Parts with lse = -inf (no key) contribute nothing; if every part is empty, out = 0 and
     lse = -inf.
+    sinks : the attention sinks of the whole problem, (H,) for lses shaped (..., H, L) (any
+        shape that broadcasts against the lse as sinks[..., None], e.g. (B, H)). The parts must
+        have been computed WITHOUT sinks: a sink belongs to no key set, so it is counted here,
+        once, as one more term of the denominator: lse = logsumexp(lse_1, ..., lse_n, sink).
+        If every part is empty, out = 0 and lse = sink.
     """
     fn = "merge_attention"
     outs = [as_float_array(o, f"outs[{i}]", fn) for i, o in enumerate(outs)]
@@ -140,10 +154,14 @@ def merge_attention(outs, lses):
     cdt = compute_dtype(out_dtype)
     ldt = np.result_type(*[s.dtype for s in lses], lse_dtype(cdt))
     lse_all = np.stack([s.astype(ldt) for s in lses])
-    top = lse_all.max(axis=0)
+    terms = lse_all
+    if sinks is not None:
+        sink = _merge_sinks(sinks, shape[:-1], fn).astype(ldt)
+        terms = np.concatenate([lse_all, sink[None]])
+    top = terms.max(axis=0)
     top_safe = np.where(np.isneginf(top), 0, top)
     weights = np.exp(lse_all - top_safe)                      # 0 for empty parts
-    total = weights.sum(axis=0)
+    total = np.exp(terms - top_safe).sum(axis=0)              # with the sink's term, once
     out = np.zeros(shape, cdt)
     for w, o in zip(weights, outs):
         w = np.divide(w, total, out=np.zeros_like(w), where=total != 0)
@@ -151,6 +169,22 @@ def merge_attention(outs, lses):
     with np.errstate(divide="ignore"):
         lse = np.where(total != 0, top_safe + np.log(total), -np.inf).astype(ldt)
     return out.astype(out_dtype, copy=False), lse
+
+
+def _merge_sinks(sinks, lse_shape: tuple, fn: str) -> np.ndarray:
+    """merge_attention's sinks broadcast to the lse shape (..., H, L) as sinks[..., None]."""
+    s = as_float_array(sinks, "sinks", fn)
+    ok = s.ndim + 1 <= len(lse_shape)
+    if ok:
+        try:
+            ok = np.broadcast_shapes(s.shape + (1,), lse_shape) == tuple(lse_shape)
+        except ValueError:
+            ok = False
+    if not ok:
+        raise ValueError(f"{fn}: sinks of shape {s.shape} do not broadcast as sinks[..., None] "
+                         f"against the lse shape {tuple(lse_shape)} (..., H, L); pass (H,) "
+                         f"sinks for (..., H, L) lses")
+    return np.broadcast_to(s[..., None], lse_shape)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -70,15 +70,32 @@ def scores_and_keep(p, dtype=np.float64):
     return np.where(band_mask(L, S, p.band), s, -np.inf)
 
 
+def _sink_column(p, dtype):
+    """The sink logits as a (1, Hq, 1) array (one per query head, the same for every row), or
+    None without sinks."""
+    return None if p.sinks is None else p.sinks.astype(dtype).reshape(1, -1, 1)
+
+
 def forward(p, dtype=np.float64, return_weights=False):
-    """Dense forward of a Problem: (out (B,Hq,L,Ev), lse (B,Hq,L)[, weights before dropout])."""
+    """Dense forward of a Problem: (out (B,Hq,L,Ev), lse (B,Hq,L)[, weights before dropout]).
+
+    With sinks, each row's softmax denominator has one more term, exp(sink_h), that has no
+    value vector: weights = exp(s) / (sum_j exp(s_j) + exp(sink_h)), lse = log of that
+    denominator. The weights then sum to less than 1 and a row with every key masked gives
+    out 0 and lse = sink_h.
+    """
     B, Hq, L, _ = p.q.shape
     S = p.k.shape[2]
     s = scores_and_keep(p, dtype)
+    sink = _sink_column(p, dtype)
     m = s.max(axis=-1) if S else np.full((B, Hq, L), -np.inf, dtype)
+    if sink is not None:
+        m = np.maximum(m, sink)                   # NaN in either stays NaN (the NaN rule)
     m_safe = np.where(np.isneginf(m), 0, m)
     e = np.exp(s - m_safe[..., None])
     total = e.sum(axis=-1)
+    if sink is not None:
+        total = total + np.exp(sink - m_safe)     # exp(-inf) = 0: a -inf sink is no sink
     weights = np.divide(e, total[..., None], out=np.zeros_like(e), where=total[..., None] != 0)
     with np.errstate(divide="ignore"):
         lse = np.where(total != 0, m_safe + np.log(total), -np.inf).astype(dtype)
@@ -94,20 +111,21 @@ def forward(p, dtype=np.float64, return_weights=False):
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False, *, causal_alignment="top_left",
-                                 window=None, softcap=None, alibi_slopes=None, return_lse=False,
-                                 rng=None, dtype=np.float64):
+                                 window=None, softcap=None, alibi_slopes=None, sinks=None,
+                                 return_lse=False, rng=None, dtype=np.float64):
     """Same arguments and semantics as fastattn.scaled_dot_product_attention, computed densely in
     `dtype` and returned in `dtype` (not cast back to the input dtype)."""
     p = make_problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                      causal_alignment=causal_alignment, window=window, softcap=softcap,
-                     alibi_slopes=alibi_slopes, rng=rng, fn="reference.scaled_dot_product_attention")
+                     alibi_slopes=alibi_slopes, sinks=sinks, rng=rng,
+                     fn="reference.scaled_dot_product_attention")
     out, lse = forward(p, dtype)
     out = out.reshape(p.out_shape)
     return (out, lse.reshape(p.lse_shape)) if return_lse else out
 
 
 def backward(p, grad_out, dtype=np.float64):
-    """Closed-form gradients (dq, dk, dv) of forward(p) for the upstream gradient grad_out.
+    """Closed-form gradients (dq, dk, dv, dsinks) of forward(p) for the upstream gradient grad_out.
 
     Written from the definitions, densely: with s the final scores, P = softmax(s), Pd = P with
     dropout applied and O = Pd V,
@@ -116,6 +134,11 @@ def backward(p, grad_out, dtype=np.float64):
         dR = dS * (1 - tanh(r / cap)^2)   (softcap's derivative; r = scale * q.k)
         dQ = scale * dR K                 dK = scale * dR^T Q
     ALiBi and masks are additive constants (derivative 1). GQA sums dK/dV over each group.
+    A sink is one more softmax column whose value is 0 and whose upstream gradient is 0, so dS
+    keeps its form (P already includes the sink in its denominator) and, with
+    P_sink = exp(sink - lse) its weight,
+        dsink_h = sum_{b,i} P_sink * (0 - sum_j P dP) = -sum_{b,i} P_sink,bhi * D_bhi.
+    dsinks is None without sinks.
     """
     B, Hq, L, _ = p.q.shape
     Hkv, S = p.k.shape[1], p.k.shape[2]
@@ -123,8 +146,8 @@ def backward(p, grad_out, dtype=np.float64):
     q = p.q.astype(dtype)
     k = np.repeat(p.k.astype(dtype), G, axis=1)
     v = np.repeat(p.v.astype(dtype), G, axis=1)
-    dO = np.asarray(grad_out, dtype).reshape(B, Hq, L, -1)
-    _, _, P = forward(p, dtype, return_weights=True)
+    dO = np.asarray(grad_out, dtype).reshape(B, Hq, L, p.v.shape[3])   # not -1: L may be 0
+    _, lse, P = forward(p, dtype, return_weights=True)
     keep_scale = np.ones_like(P)
     if p.dropout_p > 0:
         bh = np.arange(B * Hq).reshape(B, Hq, 1, 1)
@@ -141,17 +164,28 @@ def backward(p, grad_out, dtype=np.float64):
             dS = np.where(P != 0, dS * (1 - t * t), 0)
         dQ = _weighted_sum(dS, k) * dtype(p.scale)
         dK = (np.swapaxes(dS, -1, -2) @ q) * dtype(p.scale)
+    dsinks = None
+    sink = _sink_column(p, dtype)
+    if sink is not None:
+        with np.errstate(invalid="ignore"):
+            # rows with lse = -inf (no key and a -inf sink) have no sink weight: 0, not NaN
+            p_sink = np.where(np.isneginf(lse), 0, np.exp(sink - lse))
+            dsinks = -np.sum(p_sink * D[..., 0], axis=(0, 2))
     group_sum = lambda x: x.reshape(B, Hkv, G, S, x.shape[-1]).sum(axis=2)
-    return dQ, group_sum(dK), group_sum(dV)
+    return dQ, group_sum(dK), group_sum(dV), dsinks
 
 
 def scaled_dot_product_attention_backward(grad_out, query, key, value, attn_mask=None, dropout_p=0.0,
                                           is_causal=False, scale=None, enable_gqa=False, *,
                                           causal_alignment="top_left", window=None, softcap=None,
-                                          alibi_slopes=None, rng=None, dtype=np.float64):
-    """(dq, dk, dv) of reference.scaled_dot_product_attention, densely, in `dtype`."""
+                                          alibi_slopes=None, sinks=None, rng=None,
+                                          dtype=np.float64):
+    """(dq, dk, dv) of reference.scaled_dot_product_attention, densely, in `dtype`; with sinks
+    also dsinks (Hq,), as a fourth value."""
     p = make_problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                      causal_alignment=causal_alignment, window=window, softcap=softcap,
-                     alibi_slopes=alibi_slopes, rng=rng, fn="reference.scaled_dot_product_attention_backward")
-    dq, dk, dv = backward(p, grad_out, dtype)
-    return (dq.reshape(np.shape(query)), dk.reshape(np.shape(key)), dv.reshape(np.shape(value)))
+                     alibi_slopes=alibi_slopes, sinks=sinks, rng=rng,
+                     fn="reference.scaled_dot_product_attention_backward")
+    dq, dk, dv, dsinks = backward(p, grad_out, dtype)
+    grads = (dq.reshape(np.shape(query)), dk.reshape(np.shape(key)), dv.reshape(np.shape(value)))
+    return grads if dsinks is None else grads + (dsinks,)

@@ -24,7 +24,7 @@ class Backend:
 
     Operations (all arrays C-contiguous, float32 or float64, see fastattn._inputs.Problem):
       forward(problem)                         -> out (B,Hq,L,Ev), lse (B,Hq,L)
-      backward(problem, grad_out, out, lse)    -> dq, dk, dv  (canonical shapes)
+      backward(problem, grad_out, out, lse)    -> dq, dk, dv (canonical shapes), dsinks (Hq,) or None
       softmax_rows(x (R,C), keep (R,C) bool or None) -> (R,C)
     """
 

@@ -101,6 +101,20 @@ def _dropout_scale(p, b, Hq, i0, i1, j0, j1, heads=slice(None)):
     return keep * p.dtype.type(1.0 / (1.0 - p.dropout_p))
 
 
+def _sink_grad(p, dout, out, lse):
+    """dsinks_h = -sum_{b,i} exp(sink_h - lse_bhi) * D_bhi with D = rowsum(dO * O).
+
+    The sink's weight in a row is exp(sink - lse) (lse includes the sink); its value is 0 and
+    so is its upstream gradient, which leaves -P_sink * D of the softmax Jacobian.
+    """
+    sink = p.sinks[None, :, None]
+    with np.errstate(invalid="ignore", over="ignore"):
+        # a row with lse = -inf had no key and a -inf sink: no sink weight (0, not NaN)
+        p_sink = np.where(np.isneginf(lse), 0, np.exp(sink - lse.astype(p.dtype)))
+        delta = np.einsum("bhld,bhld->bhl", dout, out)
+        return -np.einsum("bhl,bhl->h", p_sink, delta)
+
+
 class NumpyBackend(Backend):
     """Always available; the tiled algorithms in NumPy (BLAS matmuls on blocks)."""
 
@@ -127,7 +141,8 @@ class NumpyBackend(Backend):
         B, Hq, L, _ = p.q.shape
         out = np.zeros((B, Hq, L, p.v.shape[3]), p.dtype)
         lse = np.full((B, Hq, L), -np.inf, lse_dtype(p.dtype))
-        if B * Hq * L and p.k.shape[2]:
+        # with no key at all a row still has its sink (out 0, lse = sink): run the tiles
+        if B * Hq * L and (p.k.shape[2] or p.sinks is not None):
             with np.errstate(invalid="ignore"):  # inf * 0 from masked keys; masked out per tile
                 self._forward_tiles(p, out, lse)
         return out, lse
@@ -154,13 +169,19 @@ class NumpyBackend(Backend):
         dt = p.dtype
         nq = i1 - i0
         j_lo, j_hi = p.band.key_range(i0, i1, S)
-        if j_lo >= j_hi:
+        if j_lo >= j_hi and p.sinks is None:
             return                                     # every key outside the band: zeros, -inf
         kb, vb = p.k[b], p.v[b]
         # (Hkv, G*nq, E): the G query heads sharing a KV head are one matmul operand.
         qt = np.ascontiguousarray(p.q[b].reshape(Hkv, G, L, E)[:, :, i0:i1]).reshape(Hkv, G * nq, E)
         m = np.full((Hq, nq), -np.inf, dt)
         l = np.zeros((Hq, nq), dt)
+        if p.sinks is not None:
+            # the sink is the first "key" of every row: running max = sink, running sum
+            # exp(sink - sink) = 1 (0 for a -inf sink; NaN for a NaN or +inf one, which then
+            # spreads to the whole row, as the NaN rule asks). It has no value: acc stays 0.
+            m[:] = p.sinks[:, None]
+            l[:] = np.exp(m - np.where(np.isneginf(m), 0, m))
         acc = np.zeros((Hkv, G * nq, Ev), dt)
         for j0 in range(j_lo, j_hi, bk):
             j1 = min(j_hi, j0 + bk)
@@ -191,6 +212,9 @@ class NumpyBackend(Backend):
         D = rowsum(dO * O); per tile: P = exp(s - lse), dV += Pd^T dO, dP = dO V^T (dropout
         applied), dS = P (dP - D) (times softcap's derivative), dQ += scale dS K,
         dK += scale dS^T Q. Accumulators are in the compute dtype (float32 or float64).
+
+        Returns (dq, dk, dv, dsinks): dsinks (Hq,) is None without sinks. The tiles need no
+        change for sinks (lse includes the sink, so P does); dsinks is one reduction over rows.
         """
         dq = np.zeros_like(p.q)
         dk = np.zeros_like(p.k)
@@ -199,7 +223,7 @@ class NumpyBackend(Backend):
         if B * Hq * L and p.k.shape[2]:
             with np.errstate(invalid="ignore"):   # inf * 0 from masked keys; zeroed per tile
                 self._backward_tiles(p, dout, out, lse, dq, dk, dv)
-        return dq, dk, dv
+        return dq, dk, dv, (None if p.sinks is None else _sink_grad(p, dout, out, lse))
 
     def _backward_tiles(self, p, dout, out, lse, dq, dk, dv):
         B, Hkv = p.q.shape[0], p.k.shape[1]
