@@ -35,10 +35,10 @@ def passive_openmp_wait():
     """Have a libgomp that loads inside this block wait passively, unless the user chose.
 
     libgomp reads OMP_WAIT_POLICY once, when it loads. Its default spins at every barrier and
-    after every parallel region (measured here: ~7.5 ms of CPU per numba call, ~15 ms at the
-    Cython kernels' barriers). On a busy machine the spinning thread holds the core that the late
-    thread needs: a 2.7 ms Cython call took a median 16 ms, passive 3.0 ms, ~10 us more when
-    idle. The variable is set only for the block, so the user's environment is unchanged.
+    after every parallel region, burning CPU between calls; on a busy machine the spinning
+    thread holds the core that the late thread needs, and a short call takes several times as
+    long (measurements: bench/results/openmp_wait.md). The variable is set only for the block,
+    so the user's environment is unchanged.
     """
     set_here = "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
     if set_here:

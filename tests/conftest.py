@@ -1,4 +1,4 @@
-"""Shared fixtures: the backend parametrization and the tolerance rule of DESIGN.md §5."""
+"""Shared fixtures: the backend parametrization (the tolerance rule is in helpers.py)."""
 from __future__ import annotations
 
 import os

@@ -1,8 +1,8 @@
 """Test helpers: inputs, and the tolerance rule used against the float64 reference.
 
-Tolerance (DESIGN.md §5, flash-attn's rule): float64 within 1e-10 relative; for lower precision,
-error vs the float64 reference <= 2 x the error of a naive same-precision NumPy computation
-(the reference run in that dtype) + a small floor.
+Tolerance (flash-attn's rule; docs/KERNELS.md states it too): float64 within 1e-10 relative; for
+lower precision, error vs the float64 reference <= 2 x the error of a naive same-precision NumPy
+computation (the reference run in that dtype) + a small floor.
 """
 from __future__ import annotations
 

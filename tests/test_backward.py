@@ -36,7 +36,7 @@ def grads(q, k, v, g, backend, **kw):
 
 
 def check_grads(q, k, v, g, backend, **kw):
-    """Backend gradients vs the float64 closed form, with the tolerance rule of DESIGN.md §5."""
+    """Backend gradients vs the float64 closed form, with the tolerance rule of helpers.py."""
     got = grads(q, k, v, g, backend, **kw)
     want = reference.scaled_dot_product_attention_backward(g, q, k, v, **kw)
     low = np.float64 if q.dtype == np.float64 else np.float32

@@ -1,7 +1,8 @@
 """The benchmark's machinery keeps working: the smoke preset end to end, plus its bookkeeping.
 
-No speed is asserted (DESIGN.md §5): only that every implementation is measured or its failure
-recorded, that the figures are well-formed, and that the files are written.
+No speed is asserted (the bench measures speed; a timed test would only measure the machine's
+load): only that every implementation is measured or its failure recorded, that the figures are
+well-formed, and that the files are written.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The forward kernel family, every backend, against the float64 reference (DESIGN.md §5)."""
+"""The forward kernel family, every backend, against the float64 reference (the tolerance rule of helpers.py)."""
 from __future__ import annotations
 
 import numpy as np
