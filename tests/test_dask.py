@@ -1,0 +1,199 @@
+"""fastattn.dask on a real distributed.LocalCluster (2 worker processes x 1 thread): every
+chunking and option equals the single-process result, forward and backward; a worker killed
+mid-computation is survived."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+import fastattn as fa
+
+from helpers import package_root
+
+da = pytest.importorskip("dask.array", reason="the dask extra is not installed")
+distributed = pytest.importorskip("distributed", reason="the dask extra is not installed")
+fad = pytest.importorskip("fastattn.dask")
+
+
+@pytest.fixture(scope="module")
+def client():
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                       dashboard_address=None, silence_logs=40)
+    with distributed.Client(cluster) as c:
+        yield c
+    cluster.close()
+
+
+B, HQ, HKV, L, S, E, EV = 2, 4, 2, 150, 230, 16, 8
+
+# (query chunks, key chunks): batch, heads, length / keys, head dim
+CHUNKINGS = {
+    "one chunk": ((B, HQ, L, E), (B, HKV, S, E)),
+    "batch": ((1, HQ, L, E), (1, HKV, S, E)),
+    "heads": ((B, 2, L, E), (B, 1, S, E)),
+    "queries uneven": ((B, HQ, (40, 70, 40), E), (B, HKV, S, E)),
+    "keys uneven": ((B, HQ, L, E), (B, HKV, (100, 1, 129), E)),
+    "everything": ((1, 2, 50, E), (2, 1, 60, E)),
+}
+OPTIONS = {
+    "plain": {},
+    "causal": {"is_causal": True},
+    "causal bottom-right": {"is_causal": True, "causal_alignment": "bottom_right"},
+    "window": {"window": (30, 5)},
+    "window bottom-right + causal": {"window": (40, None), "is_causal": True,
+                                     "causal_alignment": "bottom_right"},
+    "alibi + causal": {"alibi_slopes": "h", "is_causal": True},
+    "alibi per batch": {"alibi_slopes": "bh"},
+    "softcap + scale": {"softcap": 2.0, "scale": 0.7},
+    "bool mask": {"attn_mask": "bool"},
+    "float mask": {"attn_mask": "float", "is_causal": True},
+}
+
+
+def _inputs(rng, dtype=np.float64):
+    q = rng.standard_normal((B, HQ, L, E)).astype(dtype)
+    k = rng.standard_normal((B, HKV, S, E)).astype(dtype)
+    v = rng.standard_normal((B, HKV, S, EV)).astype(dtype)
+    return q, k, v
+
+
+def _options(rng, name, dtype=np.float64):
+    kw = dict(OPTIONS[name], enable_gqa=True)
+    if kw.get("alibi_slopes") == "h":
+        kw["alibi_slopes"] = (0.5 ** np.arange(1, HQ + 1)).astype(dtype)
+    elif kw.get("alibi_slopes") == "bh":
+        kw["alibi_slopes"] = rng.random((B, HQ)).astype(dtype)
+    if kw.get("attn_mask") == "bool":
+        kw["attn_mask"] = rng.random((B, 1, L, S)) > 0.3
+    elif kw.get("attn_mask") == "float":
+        kw["attn_mask"] = rng.standard_normal((1, HQ, L, S)).astype(dtype)
+    return kw
+
+
+def _close(got, want, what):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, what
+    assert np.array_equal(np.isneginf(got), np.isneginf(want)), what
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-10, atol=1e-12, err_msg=what)
+
+
+@pytest.mark.parametrize("chunking", list(CHUNKINGS))
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_forward_and_backward_equal_the_single_process_result(client, chunking, option):
+    rng = np.random.default_rng(zlib.crc32(f"{chunking}|{option}".encode()))
+    q, k, v = _inputs(rng)
+    kw = _options(rng, option)
+    qc, kc = CHUNKINGS[chunking]
+    dq_, dk_, dv_ = (da.from_array(q, chunks=qc), da.from_array(k, chunks=kc),
+                     da.from_array(v, chunks=kc[:3] + (EV,)))
+    want, want_lse = fa.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
+    out, lse = fad.scaled_dot_product_attention(dq_, dk_, dv_, return_lse=True, **kw)
+    assert out.chunks[:3] == dq_.chunks[:3]
+    out, lse = client.compute([out, lse], sync=True)
+    _close(out, want, "out")
+    _close(lse, want_lse, "lse")
+    g = rng.standard_normal(want.shape)
+    ref = fa.scaled_dot_product_attention_backward(g, q, k, v, want, want_lse, **kw)
+    grads = fad.scaled_dot_product_attention_backward(g, dq_, dk_, dv_, out, lse, **kw)
+    assert grads[1].chunks == dk_.chunks
+    for name, got, r in zip(("dq", "dk", "dv"), client.compute(list(grads), sync=True), ref):
+        _close(got, r, name)
+
+
+def test_float32_within_the_tolerance_rule(client):
+    from helpers import assert_close_to_reference
+    from fastattn import reference
+
+    rng = np.random.default_rng(5)
+    q, k, v = _inputs(rng, np.float32)
+    kw = dict(is_causal=True, enable_gqa=True)
+    out = fad.scaled_dot_product_attention(da.from_array(q, chunks=(1, 2, 50, E)),
+                                           da.from_array(k, chunks=(1, 1, 77, E)),
+                                           da.from_array(v, chunks=(1, 1, 77, EV)), **kw)
+    ref = reference.scaled_dot_product_attention(q, k, v, **kw)
+    naive = reference.scaled_dot_product_attention(q, k, v, dtype=np.float32, **kw)
+    got = client.compute(out, sync=True)
+    assert got.dtype == np.float32
+    assert_close_to_reference(got, ref, naive, np.float32)
+
+
+def test_causal_graph_skips_tiles_above_the_diagonal():
+    q = da.zeros((1, 1, 400, 8), chunks=(1, 1, 100, 8))
+    k = da.zeros((1, 1, 400, 8), chunks=(1, 1, 100, 8))
+    out = fad.scaled_dot_product_attention(q, k, k, is_causal=True)
+    tiles = [key for key in dict(out.__dask_graph__()) if isinstance(key, tuple)
+             and str(key[0]).endswith("-tile")]
+    assert len(tiles) == 10                        # 4 + 3 + 2 + 1 of the 16 tiles
+
+
+def test_worker_killed_mid_computation_is_survived(client):
+    # made on the workers, so that the graph does not carry the arrays
+    gen = da.random.default_rng(11)
+    shape, chunks = (8, 4, 2048, 64), (1, 1, 256, 64)
+    q_d = gen.standard_normal(shape, chunks=chunks, dtype=np.float32)
+    k_d = gen.standard_normal(shape, chunks=chunks, dtype=np.float32)
+    q, k = client.compute([q_d, k_d], sync=True)
+    want = fa.scaled_dot_product_attention(q, k, k, is_causal=True)
+    out = fad.scaled_dot_product_attention(q_d, k_d, k_d, is_causal=True)
+    future = client.compute(out)
+    pids = client.run(os.getpid)
+    time.sleep(0.3)
+    assert not future.done()                       # ~1000 tasks: still running
+    victim = sorted(pids.values())[0]
+    os.kill(victim, signal.SIGKILL)                # the nanny restarts it; dask reruns its tasks
+    got = future.result(timeout=120)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    assert victim not in client.run(os.getpid).values()
+
+
+def test_unsupported_options_say_so():
+    q = da.zeros((1, 1, 8, 4), chunks=(1, 1, 4, 4))
+    with pytest.raises(ValueError, match="dropout_p"):
+        fad.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(TypeError, match="attn_mask as a dask array"):
+        fad.scaled_dot_product_attention(q, q, q, attn_mask=da.ones((8, 8), dtype=bool))
+    with pytest.raises(ValueError, match="window"):
+        fad.scaled_dot_product_attention(q, q, q, window=(1,))
+    with pytest.raises(ValueError, match="heads"):
+        fad.scaled_dot_product_attention(q, da.zeros((1, 3, 8, 4)), da.zeros((1, 3, 8, 4)))
+
+
+def test_import_fastattn_does_not_import_dask():
+    code = "import sys, fastattn; print('dask' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=package_root(), timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False"
+
+
+def test_two_dimensional_inputs(client):
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((n, 8)) for n in (30, 50, 50))
+    want, want_lse = fa.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
+    out, lse = fad.scaled_dot_product_attention(da.from_array(q, chunks=(7, 8)),
+                                                da.from_array(k, chunks=(20, 8)), v,
+                                                is_causal=True, return_lse=True)
+    assert out.shape == (30, 8) and lse.shape == (30,)
+    out, lse = client.compute([out, lse], sync=True)
+    _close(out, want, "out")
+    _close(lse, want_lse, "lse")
+
+
+def test_long_context_example_runs_small():
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "dask_long_context.py"
+    if not path.exists():
+        pytest.skip(f"{path} not found")
+    res = subprocess.run([sys.executable, str(path), "--tokens", "2048", "--chunk", "512"],
+                         capture_output=True, text=True, cwd=package_root(), timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "max error of rows" in res.stdout and "peak memory" in res.stdout
