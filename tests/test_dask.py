@@ -54,6 +54,7 @@ OPTIONS = {
     "softcap + scale": {"softcap": 2.0, "scale": 0.7},
     "bool mask": {"attn_mask": "bool"},
     "float mask": {"attn_mask": "float", "is_causal": True},
+    "sinks + causal": {"sinks": "h", "is_causal": True},
 }
 
 
@@ -70,6 +71,8 @@ def _options(rng, name, dtype=np.float64):
         kw["alibi_slopes"] = (0.5 ** np.arange(1, HQ + 1)).astype(dtype)
     elif kw.get("alibi_slopes") == "bh":
         kw["alibi_slopes"] = rng.random((B, HQ)).astype(dtype)
+    if kw.get("sinks") == "h":
+        kw["sinks"] = rng.standard_normal(HQ).astype(dtype)
     if kw.get("attn_mask") == "bool":
         kw["attn_mask"] = rng.random((B, 1, L, S)) > 0.3
     elif kw.get("attn_mask") == "float":
@@ -104,7 +107,9 @@ def test_forward_and_backward_equal_the_single_process_result(client, chunking, 
     ref = fa.scaled_dot_product_attention_backward(g, q, k, v, want, want_lse, **kw)
     grads = fad.scaled_dot_product_attention_backward(g, dq_, dk_, dv_, out, lse, **kw)
     assert grads[1].chunks == dk_.chunks
-    for name, got, r in zip(("dq", "dk", "dv"), client.compute(list(grads), sync=True), ref):
+    assert len(grads) == len(ref) == (4 if "sinks" in kw else 3)
+    for name, got, r in zip(("dq", "dk", "dv", "dsinks"), client.compute(list(grads), sync=True),
+                            ref):
         _close(got, r, name)
 
 
