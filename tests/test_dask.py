@@ -198,7 +198,9 @@ def test_long_context_example_runs_small():
     path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "dask_long_context.py"
     if not path.exists():
         pytest.skip(f"{path} not found")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [package_root()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     res = subprocess.run([sys.executable, str(path), "--tokens", "2048", "--chunk", "512"],
-                         capture_output=True, text=True, cwd=package_root(), timeout=300)
+                         capture_output=True, text=True, cwd=package_root(), timeout=300, env=env)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "max error of rows" in res.stdout and "peak memory" in res.stdout
