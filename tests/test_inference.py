@@ -314,3 +314,31 @@ def test_kvcache_reorder_trim_reset(rng):
     assert np.all(cache.attend(q) == 0)
     with pytest.raises(ValueError, match="batch_idx"):
         cache.reorder(np.array([0, 1, 3]))
+
+
+def test_kvcache_and_varlen_pass_sinks_through(backend, rng):
+    missing = getattr(fa._backends.registry[backend], "unsupported_options", {})
+    if "sinks" in missing:
+        pytest.skip(f"{backend}: {missing['sinks']}")
+    q, kc, vc, k, v, lens = _case(rng, dtype=np.float64)
+    sinks = rng.standard_normal(q.shape[2])
+    out = fa.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, sinks=sinks,
+                                    backend=backend)
+    qq, kk, vv, cq, ck = _packed(rng, [4, 7], [9, 7])
+    vout = fa.varlen_attention(qq, kk, vv, cq, ck, is_causal=True, sinks=sinks, backend=backend)
+    t = lambda x: x.transpose(1, 0, 2)                                  # noqa: E731
+    for b in range(len(lens)):
+        n = lens[b] + k.shape[1]
+        want = fa.scaled_dot_product_attention(t(q[b]), t(kc[b, :n]), t(vc[b, :n]), is_causal=True,
+                                               causal_alignment="bottom_right", enable_gqa=True,
+                                               sinks=sinks, backend="numpy")
+        np.testing.assert_allclose(out[b], t(want), rtol=1e-10, atol=1e-12)
+    for i in range(2):
+        qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        want = fa.scaled_dot_product_attention(t(qq[qs]), t(kk[ks]), t(vv[ks]), is_causal=True,
+                                               causal_alignment="bottom_right", enable_gqa=True,
+                                               sinks=sinks, backend="numpy")
+        np.testing.assert_allclose(vout[qs], t(want), rtol=1e-10, atol=1e-12)
+    # the sink lowers every weight: the output differs from the call without it
+    assert not np.allclose(out, fa.attention_with_kvcache(q, kc, vc, cache_seqlens=lens + 3,
+                                                          backend=backend))
