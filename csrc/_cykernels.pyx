@@ -9,6 +9,7 @@ blocking, threading (OpenMP), masking decisions and bookkeeping.
 """
 
 include "common.pxi"
+include "problem.pxi"
 include "softmax.pxi"
 include "forward.pxi"
 include "decode.pxi"

@@ -28,28 +28,8 @@
 
 from libc.string cimport memcpy
 
-cdef ptrdiff_t BWD_W = 96           # query rows per block (multiple of 32, <= FA_BWD_MAXW)
-cdef ptrdiff_t BWD_BK = 96          # keys per sub-block inside the band
-cdef ptrdiff_t BWD_DB = 24          # keys per sub-block where the band edge cuts the block
-cdef ptrdiff_t BWD_ITEMS_PER_THREAD = 1   # split into chunks below this many items per thread
-# Keep a block's tiles between the sweeps while they take at most this many bytes per thread
-# (a band of ~18k keys in float32); longer bands recompute S and dP in sweep 2 (7 tile GEMMs
-# instead of 5).  Measured, 2 threads, H=2: keeping was faster at every length tried, also
-# out of cache (L=S=8192: 152 vs 84 GF/s; 16384: 79 vs 59), so recomputing only caps memory.
-cdef ptrdiff_t BWD_KEEP_BYTES = 16 << 20
-
-
-def set_bwd_blocks(ptrdiff_t w=96, ptrdiff_t bk=96, ptrdiff_t db=24,
-                   ptrdiff_t items_per_thread=1, ptrdiff_t keep_bytes=16 << 20):
-    """Experimentation hook: query rows per block (multiple of 32, <= 96), keys per interior
-    sub-block, keys per band-edge sub-block, and the work items per thread below which the
-    query blocks of a kv head are split into chunks (see run_backward), and the largest band
-    tiles (bytes per thread) kept between the sweeps instead of recomputed."""
-    global BWD_W, BWD_BK, BWD_DB, BWD_ITEMS_PER_THREAD, BWD_KEEP_BYTES
-    if w <= 0 or w % 32 or w > FA_BWD_MAXW or bk <= 0 or db <= 0 or items_per_thread <= 0:
-        raise ValueError("bad backward block sizes")
-    BWD_W, BWD_BK, BWD_DB, BWD_ITEMS_PER_THREAD = w, bk, db, items_per_thread
-    BWD_KEEP_BYTES = keep_bytes
+# Block sizes: AttnProblem.tune (problem.pxi; defaults 96 query rows per block, 96 keys per
+# interior sub-block, 24 per band-edge sub-block).
 
 
 ctypedef struct BwdArgs:
@@ -58,6 +38,8 @@ ctypedef struct BwdArgs:
     char *dq
     char *dk
     char *dv
+    char *dsinks                     # (Hq,) T, has_sinks only
+    double *rowsink                  # has_sinks: per query row, P_sink * D (summed at the end)
     char *kpart                      # C > 1: [C-1][B*Hkv][S][E] partial dk of chunks 1.. (chunk
     char *vpart                      #        0 writes dk/dv itself), [C-1][B*Hkv][S][Ev] dv
     ptrdiff_t W, Bk, DB              # block sizes
@@ -247,7 +229,7 @@ cdef void bwd_sweep1(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy,
     if sb.win_partial:
         k_window(S, ldt, m, Wt, sb.ja, w.pos + lo, p.wl, p.wr)
     if p.has_dropout:
-        k_dropout_scale(dP, ldt, m, Wt, sb.ja, w.rk + lo, p.thresh, p.keep_scale)
+        k_dropout_scale(dP, ldt, m, Wt, sb.ja + p.drop_col0, w.rk + lo, p.thresh, p.keep_scale)
     k_bwd_p(S, dP, m, Wt, <const floating *>w.lse + lo, acc + lo)
 
 
@@ -263,7 +245,7 @@ cdef void bwd_sweep2(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, pt
     k_bwd_ds(S, dP, <floating *>w.G + sb.r0 * ldt + lo if p.softcap > 0 else NULL, m, Wt,
              <const floating *>w.invZ + lo, w.D + lo)
     if p.has_dropout:
-        k_dropout(S, ldt, m, Wt, sb.ja, w.rk + lo, p.thresh)
+        k_dropout(S, ldt, m, Wt, sb.ja + p.drop_col0, w.rk + lo, p.thresh)
     k_ptq(S, m, sb.hi - lo, <const floating *>a.dout + (row0 + lo) * Ev, Ev, Ev,
           dv_t + sb.ja * Ev, Ev)
     k_ptq(dP, m, sb.hi - lo, <const floating *>p.q + (row0 + lo) * E, E, E, dk_t + sb.ja * E, E)
@@ -300,7 +282,7 @@ cdef void bwd_block(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, ptr
         if p.has_alibi:
             slope[r] = (<const floating *>p.alibi)[b * p.alibi_bs + h]
         if p.has_dropout:
-            w.rk[r] = fa_row_key(p.seed, <uint32_t>bh, <uint32_t>(i0 + r))
+            w.rk[r] = drop_row_key(p, b, h, i0 + r)
         lv = flse[row0 + r]
         lse[r] = INFINITY if lv == -INFINITY else lv
     for r in range(rows, a.W + 16):
@@ -408,22 +390,21 @@ cdef void bwd_reduce(AttnProblem *p, BwdArgs *a, floating *dummy, ptrdiff_t it,
             dst[x] = dst[x] * ks
 
 
-cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy,
-                      int n_threads) noexcept nogil:
+cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept nogil:
     cdef ptrdiff_t nbh = p.B * p.Hkv, i, u, c, it, n_items
     cdef int fail = 0
     cdef int *pfail = &fail
     cdef BwdWork *w = NULL
     cdef ptrdiff_t mr = k_mr(dummy)
-    a.W = BWD_W
-    a.Bk = BWD_BK
-    a.DB = BWD_DB
+    a.W = p.tune.bwd_w
+    a.Bk = p.tune.bwd_bk
+    a.DB = p.tune.bwd_db
     a.ldq = round_up(p.E, k_vw(dummy)) if p.E > 0 else 1
     a.nqb = (p.L + a.W - 1) // a.W
     # band tiles: the longest band of a block, plus a strip of slack (fa_qkt writes whole
     # strips of MR rows)
     a.trows = round_up(min(<int64_t>p.S, a.W - 1 + p.wl + p.wr + 1), mr) + mr
-    a.keep = <size_t>a.trows * FA_BWD_LDS * sizeof(floating) * (3 if p.softcap > 0 else 2) <= <size_t>BWD_KEEP_BYTES
+    a.keep = <size_t>a.trows * FA_BWD_LDS * sizeof(floating) * (3 if p.softcap > 0 else 2) <= <size_t>p.tune.bwd_keep_bytes
     if not a.keep:
         a.trows = round_up(max(a.Bk, a.DB), mr) + mr
     # Kᵀ rows: >= S + 16 (fa_qkt reads up to 11 keys past a block), an odd number of cache
@@ -437,7 +418,7 @@ cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy,
     a.ubound = NULL
     if nbh == 0:
         return 0
-    cdef int nt = resolve_threads(n_threads, nbh * a.U)
+    cdef int nt = resolve_threads(p.n_threads, nbh * a.U)
     cdef double band = <double>min(p.S, p.wl + p.wr + 1)
     if <double>p.B * p.Hq * p.L * band * (3 * p.E + 2 * p.Ev) * 2 < 8e6:
         nt = 1
@@ -447,7 +428,7 @@ cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy,
     # Beyond 4 items per thread the dynamic schedule evens things out well enough.
     a.C = 1
     if nt > 1 and nbh < 4 * nt:
-        while a.C < a.U and ((a.C * nbh) % nt != 0 or a.C * nbh < BWD_ITEMS_PER_THREAD * nt):
+        while a.C < a.U and ((a.C * nbh) % nt != 0 or a.C * nbh < p.tune.bwd_items_per_thread * nt):
             a.C += 1
     a.ubound = <ptrdiff_t *>malloc((a.C + 1) * sizeof(ptrdiff_t))
     if a.ubound == NULL:
@@ -520,52 +501,44 @@ cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy,
 
 # ---- Python entry ---------------------------------------------------------------------------
 
-def backward(const floating[:, :, :, ::1] q, const floating[:, :, :, ::1] k,
-             const floating[:, :, :, ::1] v, int mask_kind,
-             const uint8_t[:, :, :, ::1] mask_bool, const floating[:, :, :, ::1] mask_float,
-             bint has_alibi, const floating[:, ::1] alibi, double scale, double softcap,
-             int64_t q_offset, int64_t win_left, int64_t win_right, double dropout_p, seed,
-             const floating[:, :, :, ::1] dout, const floating[:, :, :, ::1] out,
+def backward(args, const floating[:, :, :, ::1] dout, const floating[:, :, :, ::1] out,
              const floating[:, :, ::1] lse, floating[:, :, :, ::1] dq,
-             floating[:, :, :, ::1] dk, floating[:, :, :, ::1] dv, int n_threads=1):
-    """FlashAttention-2 backward per docs/KERNELS.md; fills dq, dk, dv (every element)."""
+             floating[:, :, :, ::1] dk, floating[:, :, :, ::1] dv, floating[::1] dsinks):
+    """FlashAttention-2 backward of the record `args` (docs/KERNELS.md); fills dq, dk, dv
+    (every element) and, when args.has_sinks, dsinks (Hq,)."""
     cdef AttnProblem p
     cdef BwdArgs a
-    fill_problem(&p, shape4(q.shape), shape4(k.shape), shape4(v.shape), mask_kind,
-                 shape4(mask_bool.shape), shape4(mask_float.shape), has_alibi,
-                 (alibi.shape[0], alibi.shape[1]), softcap, q_offset, win_left, win_right,
-                 dropout_p, seed, shape4(out.shape), (lse.shape[0], lse.shape[1], lse.shape[2]))
+    fill_problem(&p, args, <floating *>NULL, out.shape, lse.shape)
     if shape4(dout.shape) != shape4(out.shape):
         raise ValueError(f"attention backward: dout {shape4(dout.shape)} does not match out "
                          f"{shape4(out.shape)}")
-    if (shape4(dq.shape) != shape4(q.shape) or shape4(dk.shape) != shape4(k.shape)
-            or shape4(dv.shape) != shape4(v.shape)):
+    cdef tuple qs = (p.B, p.Hq, p.L, p.E), ks = (p.B, p.Hkv, p.S, p.E)
+    cdef tuple vs = (p.B, p.Hkv, p.S, p.Ev)
+    if shape4(dq.shape) != qs or shape4(dk.shape) != ks or shape4(dv.shape) != vs:
         raise ValueError(f"attention backward: dq {shape4(dq.shape)}, dk {shape4(dk.shape)}, "
                          f"dv {shape4(dv.shape)} must match q, k, v")
+    if p.has_sinks and dsinks.shape[0] != p.Hq:
+        raise ValueError(f"attention backward: dsinks ({dsinks.shape[0]},), expected "
+                         f"({p.Hq},)")
     if dq.size:
         memset(&dq[0, 0, 0, 0], 0, dq.size * sizeof(floating))
     if dk.size:
         memset(&dk[0, 0, 0, 0], 0, dk.size * sizeof(floating))
     if dv.size:
         memset(&dv[0, 0, 0, 0], 0, dv.size * sizeof(floating))
+    if dsinks.size:
+        memset(&dsinks[0], 0, dsinks.size * sizeof(floating))
     if p.B * p.Hq * p.L == 0 or p.S == 0:
         return
-    p.scale = scale
-    p.q = <const char *>&q[0, 0, 0, 0] if q.size else NULL
-    p.k = <const char *>&k[0, 0, 0, 0] if k.size else NULL
-    p.v = <const char *>&v[0, 0, 0, 0] if v.size else NULL
-    p.out = NULL
-    p.lse = NULL
-    p.mask_b = &mask_bool[0, 0, 0, 0] if mask_bool.size else NULL
-    p.mask_f = <const char *>&mask_float[0, 0, 0, 0] if mask_float.size else NULL
-    p.alibi = <const char *>&alibi[0, 0] if alibi.size else NULL
     a.dout = <const char *>&dout[0, 0, 0, 0] if dout.size else NULL
     a.flse = <const char *>&lse[0, 0, 0]
     a.dq = <char *>&dq[0, 0, 0, 0] if dq.size else NULL
     a.dk = <char *>&dk[0, 0, 0, 0] if dk.size else NULL
     a.dv = <char *>&dv[0, 0, 0, 0] if dv.size else NULL
+    a.dsinks = <char *>&dsinks[0] if p.has_sinks else NULL
+    a.rowsink = NULL
     cdef int rc
     with nogil:
-        rc = run_backward(&p, &a, <floating *>NULL, n_threads)
+        rc = run_backward(&p, &a, <floating *>NULL)
     if rc != 0:
         raise MemoryError("attention backward: could not allocate scratch")

@@ -11,23 +11,13 @@
 
 from libc.math cimport exp
 
-# keys per block: small enough that a block's V (Bk x Ev floats) stays in L1 across the P·V
-# column panels, a multiple of the 12-row key strip so fa_qk never copies a tail strip.
-# With the next block's prefetch spread over the compute (attend_rows' slices), 48 keys
-# streamed Hq=32/Hkv=8 S=16384 d=128 at 12.9 GB/s median against 12.4 for 96 and 11.5 for
-# 96 with one prefetch burst per block (the old scheme), interleaved in one process
-# (2-thread numpy gemv over the same K/V: 13-17 GB/s on this shared machine).
-cdef ptrdiff_t DEC_BK = 48
-cdef ptrdiff_t DEC_RCAP = 192        # lanes per item (query rows of one KV group)
-cdef ptrdiff_t DEC_MIN_CHUNK = 1024  # do not split keys finer than this
-cdef bint DEC_USE_DOT = True
-
-
-def set_decode_options(ptrdiff_t bk=48, bint use_dot=True):
-    """Experimentation hook: keys per block, dot-product scores for <= 4 rows."""
-    global DEC_BK, DEC_USE_DOT
-    DEC_BK = bk
-    DEC_USE_DOT = use_dot
+# Keys per block (tune.dec_bk, default 48): small enough that a block's V (Bk x Ev floats)
+# stays in L1 across the P·V column panels, a multiple of the 12-row key strip so fa_qk never
+# copies a tail strip; the next block's prefetch is spread over the compute (attend_rows'
+# slices).
+cdef enum:
+    DEC_RCAP = 192                   # lanes per item (query rows of one KV group)
+    DEC_MIN_CHUNK = 1024             # do not split keys finer than this
 
 
 cdef void dec_rows(AttnProblem *p, ptrdiff_t g, ptrdiff_t nrg, ptrdiff_t Rcap, ptrdiff_t *b,
@@ -57,15 +47,14 @@ cdef void dec_item(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t it, ptrdi
     cdef int pw_nv = 1 if rows <= vw else k_nv(dummy)
     cdef ptrdiff_t W = round_up(rows, pw_nv * vw)
     # <= 4 query rows: dot-product scores when the ISA has them (fa_decode_avx512.h)
-    cdef bint dot = rows <= 4 and k_has_dot(dummy) and DEC_USE_DOT
+    cdef bint dot = rows <= 4 and k_has_dot(dummy) and p.tune.dec_use_dot
     start_rows(p, w, dummy, rows, W, pw_nv * vw, dot)
     cdef int64_t jlo = max(c * chunk, max(<int64_t>0, pmin - p.wl))
     cdef int64_t jhi = min(min((c + 1) * chunk, <int64_t>p.S), pmax + p.wr + 1)
     if jlo < jhi:
-        attend_rows(p, w, dummy, b, hk, rows, W, pw_nv, jlo, jhi, pmin, pmax,
-                    p.msh == 0 and p.msi == 0, dot)
+        attend_rows(p, w, dummy, b, hk, jlo, jhi, pmin, pmax, p.msh == 0 and p.msi == 0)
     if nsplit == 1:
-        finish_rows(p, w, dummy, rows)
+        finish_rows(p, w, dummy)
         return
     cdef floating *O = <floating *>w.O
     cdef floating *dst
@@ -124,14 +113,14 @@ cdef void dec_merge(AttnProblem *p, floating *dummy, ptrdiff_t g, ptrdiff_t nrg,
             lse[orow] = -INFINITY
 
 
-cdef int run_decode(AttnProblem *p, floating *dummy, int n_threads) noexcept nogil:
+cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
     cdef ptrdiff_t R = p.G * p.L
     cdef ptrdiff_t Rcap = min(R, DEC_RCAP)
     cdef ptrdiff_t nrg = (R + Rcap - 1) // Rcap if R else 0
     cdef ptrdiff_t n_groups = p.B * p.Hkv * nrg, it, g
     if n_groups == 0:
         return 0
-    cdef int nt = resolve_threads(n_threads, 1 << 30)
+    cdef int nt = resolve_threads(p.n_threads, 1 << 30)
     if <double>p.B * p.Hq * p.L * p.S * (p.E + p.Ev) * 2 < 8e6:
         nt = 1                                   # see run_forward
     # Enough items for the dynamic schedule to even out (the machines are shared: a thread
@@ -139,10 +128,10 @@ cdef int run_decode(AttnProblem *p, floating *dummy, int n_threads) noexcept nog
     cdef ptrdiff_t nsplit = 1
     if n_groups < 8 * nt:
         nsplit = min((8 * nt + n_groups - 1) // n_groups, max(<ptrdiff_t>1, p.S // DEC_MIN_CHUNK))
-    cdef ptrdiff_t chunk = round_up((p.S + nsplit - 1) // nsplit, DEC_BK) if p.S else 1
+    cdef ptrdiff_t chunk = round_up((p.S + nsplit - 1) // nsplit, p.tune.dec_bk) if p.S else 1
     cdef ptrdiff_t n_items = n_groups * nsplit
     nt = resolve_threads(nt, n_items)
-    p.Bk = DEC_BK
+    p.Bk = p.tune.dec_bk
     p.prefetch = True
     p.Wcap = round_up(Rcap, k_nr(dummy)) + 16
     p.lds = p.Wcap
@@ -184,32 +173,17 @@ cdef int run_decode(AttnProblem *p, floating *dummy, int n_threads) noexcept nog
     return -fail
 
 
-def decode(const floating[:, :, :, ::1] q, const floating[:, :, :, ::1] k,
-           const floating[:, :, :, ::1] v, int mask_kind,
-           const uint8_t[:, :, :, ::1] mask_bool, const floating[:, :, :, ::1] mask_float,
-           bint has_alibi, const floating[:, ::1] alibi, double scale, double softcap,
-           int64_t q_offset, int64_t win_left, int64_t win_right, double dropout_p, seed,
-           floating[:, :, :, ::1] out, floating[:, :, ::1] lse, int n_threads=1):
-    """Decode-shaped attention (same arguments and results as forward)."""
+def decode(args, floating[:, :, :, ::1] out, floating[:, :, ::1] lse):
+    """Decode-shaped attention of the record `args` (same arguments and results as
+    forward)."""
     cdef AttnProblem p
-    fill_problem(&p, shape4(q.shape), shape4(k.shape), shape4(v.shape), mask_kind, shape4(mask_bool.shape), shape4(mask_float.shape),
-                 has_alibi, (alibi.shape[0], alibi.shape[1]), softcap, q_offset, win_left,
-                 win_right, dropout_p, seed, shape4(out.shape), (lse.shape[0], lse.shape[1], lse.shape[2]))
+    fill_problem(&p, args, <floating *>NULL, out.shape, lse.shape)
     if p.B * p.Hq * p.L == 0:
         return
-    p.scale = scale
-    bind_arrays(&p, q, k, v, mask_bool, mask_float, alibi, out, lse)
+    p.out = <char *>&out[0, 0, 0, 0] if out.size else NULL
+    p.lse = <char *>&lse[0, 0, 0]
     cdef int rc
     with nogil:
-        rc = run_decode(&p, <floating *>NULL, n_threads)
+        rc = run_decode(&p, <floating *>NULL)
     if rc != 0:
         raise MemoryError("attention kernel: could not allocate decode scratch")
-
-
-def set_prefetch_slices(ptrdiff_t qk, ptrdiff_t pv):
-    """Experimentation hook: keys per slice between decode's prefetches (attend_rows)."""
-    global PF_QK, PF_PV
-    if qk <= 0 or qk % 12 or pv <= 0 or pv % 32:
-        raise ValueError("qk must be a positive multiple of 12, pv of 32")
-    PF_QK = qk
-    PF_PV = pv

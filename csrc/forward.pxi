@@ -11,55 +11,13 @@
 # then out = O / l, lse = m + log l.  Blocks wholly outside the band are never visited, so
 # their K/V are never read.  The same row-block engine (attend_rows) serves decode.pxi.
 
-ctypedef struct AttnProblem:
-    const char *q
-    const char *k
-    const char *v
-    char *out
-    char *lse
-    const uint8_t *mask_b
-    const char *mask_f
-    const char *alibi
-    ptrdiff_t B, Hq, Hkv, G, L, S, E, Ev
-    int mask_kind
-    int64_t msb, msh, msi, msj       # element strides of the active mask (0 = broadcast)
-    int has_alibi
-    int64_t alibi_bs                 # 0 when alibi is (1, Hq)
-    double scale                     # applied to each finished dot product (fa_qk epilogue)
-    double softcap
-    int64_t q_offset, wl, wr
-    int has_dropout
-    uint32_t seed, thresh
-    double keep_scale                # 1 / (1 - dropout_p)
-    ptrdiff_t Bk                     # keys per block
-    bint prefetch                    # software-prefetch the next K/V block (decode streams
-                                     # K/V from DRAM once; forward re-reads them from L2)
-    ptrdiff_t Wcap                   # lane capacity of the scratch (query rows per item + slack)
-    ptrdiff_t lds, ldo               # row strides of S and of the accumulator O
-
-
-# Block sizes.  The inner loop is flat (127-142 GF/s/core) for Bq 96..384 x Bk 128..512
-# (NOTES.md), so Bq is set by the other costs: causal/banded problems compute the upper
-# triangle of each diagonal block for nothing (a fraction Bq/L of the work), so they use 96;
-# otherwise 192 halves the per-item overheads (Qt packing, lane setup).  Multiples of 96 =
-# lcm of the tile sizes of every ISA copy (P·V rows: 12 or 6; Qt panels of 32 lanes, which the
-# AVX-512 Q·Kᵀ takes in pairs, an odd last panel alone).
-cdef ptrdiff_t FWD_BQ = 192
-cdef ptrdiff_t FWD_BQ_BANDED = 96
-cdef ptrdiff_t FWD_BK = 256
-# Decode's slices between prefetches (attend_rows): multiples of 12 (the key strip of fa_qk)
-# and 32 (fa_pv's summation chunk).
-cdef ptrdiff_t PF_QK = 12
-cdef ptrdiff_t PF_PV = 32
-
-def set_blocks(ptrdiff_t bq, ptrdiff_t bk, ptrdiff_t bq_banded=96):
-    """Experimentation hook: query rows per item (multiples of 96) and keys per block."""
-    global FWD_BQ, FWD_BK, FWD_BQ_BANDED
-    if bq <= 0 or bq % 96 or bq_banded <= 0 or bq_banded % 96 or bk <= 0:
-        raise ValueError("bq must be a positive multiple of 96, bk positive")
-    FWD_BQ = bq
-    FWD_BQ_BANDED = bq_banded
-    FWD_BK = bk
+# Block sizes (defaults of fill_tune, problem.pxi).  Bq multiples of 96 = lcm of the tile
+# sizes of every ISA copy (P·V rows: 12 or 6; Qt panels of 32 lanes, which the AVX-512 Q·Kᵀ
+# takes in pairs, an odd last panel alone).  Causal/banded problems compute the upper triangle
+# of each diagonal block for nothing (a fraction Bq/L of the work), so they default to 96;
+# otherwise 192 halves the per-item overheads (Qt packing, lane setup).  Decode's slices
+# between prefetches (attend_rows) are multiples of 12 (the key strip of fa_qk) and 32
+# (fa_pv's summation chunk).
 
 
 ctypedef struct Work:                # per-thread scratch, one buffer (fa_scratch.h)
@@ -77,6 +35,9 @@ ctypedef struct Work:                # per-thread scratch, one buffer (fa_scratc
     int64_t *moff                    # mask offset of row (b, h, i) per lane
     int64_t *orow                    # global query row (b*Hq + h)*L + i per lane
     uint32_t *rk                     # dropout row key per lane
+    ptrdiff_t rows, W                # started lanes / lanes rounded up to whole panels
+    int pw_nv                        # vectors per Qt panel
+    bint dot                         # dot-product scores (fa_qk_dot) instead of panels
 
 
 cdef inline size_t _al(size_t x) noexcept nogil:
@@ -137,15 +98,19 @@ cdef inline void set_lane(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t r,
     if p.has_alibi:
         (<floating *>w.slope)[r] = (<const floating *>p.alibi)[b * p.alibi_bs + h]
     if p.has_dropout:
-        w.rk[r] = fa_row_key(p.seed, <uint32_t>(b * p.Hq + h), <uint32_t>i)
+        w.rk[r] = drop_row_key(p, b, h, i)
 
 
 cdef void start_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t rows, ptrdiff_t W,
                      ptrdiff_t pw, bint dot) noexcept nogil:
     """Lanes [0, rows) are set (set_lane).  Copy lane 0 into the padding lanes (so masks and
     positions stay in bounds), pack Qt (panels, or for the dot-product decode kernel plain
-    rows of stride round_up(E, 16)), reset m/l/O."""
+    rows of stride round_up(E, 16)), reset m/l/O.  W lanes in panels of pw."""
     cdef ptrdiff_t r, e, E = p.E
+    w.rows = rows
+    w.W = W
+    w.pw_nv = <int>(pw // k_vw(dummy))
+    w.dot = dot
     cdef floating *Qt = <floating *>w.Qt
     cdef floating *m = <floating *>w.m
     cdef floating *l = <floating *>w.l
@@ -193,9 +158,13 @@ cdef void start_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t rows, p
 
 
 cdef void attend_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, ptrdiff_t hk,
-                      ptrdiff_t rows, ptrdiff_t W, int pw_nv, int64_t jlo, int64_t jhi,
-                      int64_t pmin, int64_t pmax, int uniform, bint dot) noexcept nogil:
-    """Run keys [jlo, jhi) of kv head (b, hk) against the started lanes, block by block."""
+                      int64_t jlo, int64_t jhi, int64_t pmin, int64_t pmax,
+                      int uniform) noexcept nogil:
+    """Run keys [jlo, jhi) of kv head (b, hk) against the started lanes (start_rows), block
+    by block.  pmin/pmax: the lanes' smallest and largest query position."""
+    cdef ptrdiff_t rows = w.rows, W = w.W
+    cdef int pw_nv = w.pw_nv
+    cdef bint dot = w.dot
     cdef const floating *K = <const floating *>p.k + (b * p.Hkv + hk) * p.S * p.E
     cdef const floating *V = <const floating *>p.v + (b * p.Hkv + hk) * p.S * p.Ev
     cdef floating *S = <floating *>w.S
@@ -213,13 +182,13 @@ cdef void attend_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, ptr
         clean = not masked and p.softcap == 0 and not p.has_alibi
         for i in range(W):
             cmax[i] = -INFINITY
-        # Scores in slices of PF_QK keys, each followed by the prefetch of the same slice of
+        # Scores in slices of tune.pf_qk keys, each followed by the prefetch of the same slice of
         # the next block's K (decode only): spread over the compute, the prefetches keep DRAM
         # busy while the core works, where one burst per block stalled the core on full
         # fill buffers and left the memory idle during the compute after it.
         s0 = 0
         while s0 < n:
-            ns = min(PF_QK if n2 > 0 else n, n - s0)
+            ns = min(p.tune.pf_qk if n2 > 0 else n, n - s0)
             if dot:
                 k_qk_dot(K + (j0 + s0) * E, E, ns, E, <const floating *>w.Qt, round_up(E, 16),
                          <int>rows, S + s0 * lds, lds, p.scale)
@@ -245,15 +214,15 @@ cdef void attend_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, ptr
             k_colmax(S, lds, n, W, cmax)
         k_softmax(S, lds, n, W, cmax, <floating *>w.m, <floating *>w.l, <floating *>w.alpha)
         if p.has_dropout:
-            k_dropout(S, lds, n, W, j0, w.rk, p.thresh)
+            k_dropout(S, lds, n, W, j0 + p.drop_col0, w.rk, p.thresh)
         # 0 * NaN = NaN in the tile product: when some weight may be an exact 0 (masking,
         # dropout) and this V block holds Inf/NaN, take the zero-skipping path.
         exact = (masked or p.has_dropout) and not k_allfinite(V + j0 * Ev, n * Ev)
-        # P·V likewise in slices of PF_PV keys (a multiple of the kernels' 32-key summation
+        # P·V likewise in slices of tune.pf_pv keys (a multiple of the kernels' 32-key summation
         # chunk, so the sums and their order are those of one call); alpha rescales O once.
         s0 = 0
         while s0 < n:
-            ns = min(PF_PV if n2 > 0 else n, n - s0)
+            ns = min(p.tune.pf_pv if n2 > 0 else n, n - s0)
             k_pv(S + s0 * lds, lds, ns, V + (j0 + s0) * Ev, Ev, Ev, <floating *>w.O, p.ldo,
                  <const floating *>w.alpha, rows, exact)
             if s0 < n2:
@@ -265,9 +234,9 @@ cdef void attend_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, ptr
         j0 += n
 
 
-cdef void finish_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t rows) noexcept nogil:
+cdef void finish_rows(AttnProblem *p, Work *w, floating *dummy) noexcept nogil:
     """out = O / l (times the dropout rescale), lse = m + log l; l == 0 -> 0 and -inf."""
-    cdef ptrdiff_t r, c, Ev = p.Ev
+    cdef ptrdiff_t r, c, Ev = p.Ev, rows = w.rows
     cdef floating *O = <floating *>w.O
     cdef floating *m = <floating *>w.m
     cdef floating *l = <floating *>w.l
@@ -308,28 +277,27 @@ cdef void fwd_item(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t it, ptrdi
     if jhi > p.S:
         jhi = p.S
     if jlo < jhi:
-        attend_rows(p, w, dummy, b, hk, rows, W, k_nv(dummy), jlo, jhi, pmin, pmax,
-                    p.msi == 0, False)
-    finish_rows(p, w, dummy, rows)
+        attend_rows(p, w, dummy, b, hk, jlo, jhi, pmin, pmax, p.msi == 0)
+    finish_rows(p, w, dummy)
 
 
-cdef int run_forward(AttnProblem *p, floating *dummy, int n_threads) noexcept nogil:
+cdef int run_forward(AttnProblem *p, floating *dummy) noexcept nogil:
     cdef bint banded = p.wl + p.wr + 1 < p.S     # causal / sliding window: item costs differ
-    cdef ptrdiff_t Bq = FWD_BQ_BANDED if banded else FWD_BQ
+    cdef ptrdiff_t Bq = p.tune.fwd_bq_banded if banded else p.tune.fwd_bq
     cdef ptrdiff_t nqb = (p.L + Bq - 1) // Bq
     cdef ptrdiff_t n_items = p.B * p.Hq * nqb, it
     cdef int fail = 0
     cdef int *pfail = &fail
     cdef Work *w = NULL
     cdef bint lf = banded
-    p.Bk = FWD_BK
+    p.Bk = p.tune.fwd_bk
     p.prefetch = False
     p.Wcap = round_up(Bq if Bq < p.L else p.L, k_nr(dummy)) + 16
     p.lds = p.Wcap
     p.ldo = round_up(p.Ev, k_vw(dummy)) if p.Ev > 0 else 1
     if n_items == 0:
         return 0
-    cdef int nt = resolve_threads(n_threads, n_items)
+    cdef int nt = resolve_threads(p.n_threads, n_items)
     # below ~8 MFLOP (~60 us on one core) waking a second thread costs more than it saves
     cdef double band = <double>min(p.S, p.wl + p.wr + 1)
     if <double>p.B * p.Hq * p.L * band * (p.E + p.Ev) * 2 < 8e6:
@@ -355,95 +323,17 @@ cdef int run_forward(AttnProblem *p, floating *dummy, int n_threads) noexcept no
 
 # ---- Python entry ---------------------------------------------------------------------------
 
-cdef object fill_problem(AttnProblem *p, tuple qs, tuple ks, tuple vs, int mask_kind,
-                         tuple mbs, tuple mfs, bint has_alibi, tuple als, double softcap,
-                         int64_t q_offset, int64_t win_left, int64_t win_right,
-                         double dropout_p, object seed, tuple outs, tuple lses):
-    """Check the canonical problem (api.py guarantees it; this is the safety net against a
-    segfault) and fill p.  Shapes arrive as tuples."""
-    cdef ptrdiff_t B = qs[0], Hq = qs[1], L = qs[2], E = qs[3]
-    cdef ptrdiff_t Hkv = ks[1], S = ks[2], Ev = vs[3]
-    if ks[0] != B or vs[0] != B or vs[1] != Hkv or vs[2] != S or ks[3] != E:
-        raise ValueError(f"attention kernel: q {qs}, k {ks}, v {vs} do not agree")
-    if Hkv == 0 and Hq != 0 or Hkv != 0 and Hq % Hkv != 0:
-        raise ValueError(f"attention kernel: Hq={Hq} is not a multiple of Hkv={Hkv}")
-    if outs != (B, Hq, L, Ev) or lses != (B, Hq, L):
-        raise ValueError(f"attention kernel: out {outs} / lse {lses} do not match "
-                         f"{(B, Hq, L, Ev)} / {(B, Hq, L)}")
-    if mask_kind not in (0, 1, 2):
-        raise ValueError(f"attention kernel: mask_kind must be 0, 1 or 2, got {mask_kind}")
-    cdef tuple ms = mbs if mask_kind == 1 else mfs
-    cdef tuple full = (B, Hq, L, S)
-    if mask_kind:
-        for d in range(4):
-            if ms[d] != 1 and ms[d] != full[d]:
-                raise ValueError(f"attention kernel: mask shape {ms} does not broadcast "
-                                 f"to {full}")
-    if has_alibi and (als[1] != Hq or als[0] not in (1, B)):
-        raise ValueError(f"attention kernel: alibi shape {als}, expected (1 or {B}, {Hq})")
-    if not (0.0 <= dropout_p < 1.0):
-        raise ValueError(f"attention kernel: dropout_p={dropout_p} outside [0, 1)")
-    if win_left < 0 or win_right < 0:
-        raise ValueError("attention kernel: window sides must be >= 0")
-    seed = int(seed)
-    if not (0 <= seed < 2 ** 32):
-        raise ValueError(f"attention kernel: seed {seed} is not a uint32")
-    p.B, p.Hq, p.Hkv, p.L, p.S, p.E, p.Ev = B, Hq, Hkv, L, S, E, Ev
-    p.G = Hq // Hkv if Hkv else 1
-    p.mask_kind = mask_kind
-    p.msb = p.msh = p.msi = p.msj = 0
-    if mask_kind:
-        # element strides of a C-contiguous (Bm, Hm, Lm, Sm) array; broadcast dims -> 0
-        p.msj = 1 if ms[3] != 1 else 0
-        p.msi = ms[3] if ms[2] != 1 else 0
-        p.msh = ms[2] * ms[3] if ms[1] != 1 else 0
-        p.msb = ms[1] * ms[2] * ms[3] if ms[0] != 1 else 0
-    p.has_alibi = has_alibi
-    p.alibi_bs = Hq if has_alibi and als[0] != 1 else 0
-    p.softcap = softcap if softcap > 0 else 0.0
-    p.q_offset = q_offset
-    # an "unbounded" side arrives as L + S + 1; clamp so pos +- w can never overflow int64
-    p.wl = min(win_left, L + S + 1)
-    p.wr = min(win_right, L + S + 1)
-    p.has_dropout = dropout_p > 0
-    p.seed = <uint32_t>seed
-    p.thresh = <uint32_t>min(int(dropout_p * 4294967296.0), 4294967295)
-    p.keep_scale = 1.0 / (1.0 - dropout_p)
-
-
-def forward(const floating[:, :, :, ::1] q, const floating[:, :, :, ::1] k,
-            const floating[:, :, :, ::1] v, int mask_kind,
-            const uint8_t[:, :, :, ::1] mask_bool, const floating[:, :, :, ::1] mask_float,
-            bint has_alibi, const floating[:, ::1] alibi, double scale, double softcap,
-            int64_t q_offset, int64_t win_left, int64_t win_right, double dropout_p, seed,
-            floating[:, :, :, ::1] out, floating[:, :, ::1] lse, int n_threads=1):
-    """FlashAttention-2 forward per docs/KERNELS.md; fills out and lse."""
+def forward(args, floating[:, :, :, ::1] out, floating[:, :, ::1] lse):
+    """FlashAttention-2 forward of the record `args` (KernelArgs, docs/KERNELS.md); fills out
+    and lse."""
     cdef AttnProblem p
-    fill_problem(&p, shape4(q.shape), shape4(k.shape), shape4(v.shape), mask_kind, shape4(mask_bool.shape), shape4(mask_float.shape),
-                 has_alibi, (alibi.shape[0], alibi.shape[1]), softcap, q_offset, win_left,
-                 win_right, dropout_p, seed, shape4(out.shape), (lse.shape[0], lse.shape[1], lse.shape[2]))
+    fill_problem(&p, args, <floating *>NULL, out.shape, lse.shape)
     if p.B * p.Hq * p.L == 0:
         return
-    p.scale = scale
-    bind_arrays(&p, q, k, v, mask_bool, mask_float, alibi, out, lse)
+    p.out = <char *>&out[0, 0, 0, 0] if out.size else NULL
+    p.lse = <char *>&lse[0, 0, 0]
     cdef int rc
     with nogil:
-        rc = run_forward(&p, <floating *>NULL, n_threads)
+        rc = run_forward(&p, <floating *>NULL)
     if rc != 0:
         raise MemoryError("attention kernel: could not allocate per-thread scratch")
-
-
-cdef void bind_arrays(AttnProblem *p, const floating[:, :, :, ::1] q,
-                      const floating[:, :, :, ::1] k, const floating[:, :, :, ::1] v,
-                      const uint8_t[:, :, :, ::1] mask_bool,
-                      const floating[:, :, :, ::1] mask_float, const floating[:, ::1] alibi,
-                      floating[:, :, :, ::1] out, floating[:, :, ::1] lse):
-    # size-0 dims have no element 0: point at a 1-element dummy instead (never read)
-    p.q = <const char *>&q[0, 0, 0, 0] if q.size else NULL
-    p.k = <const char *>&k[0, 0, 0, 0] if k.size else NULL
-    p.v = <const char *>&v[0, 0, 0, 0] if v.size else NULL
-    p.out = <char *>&out[0, 0, 0, 0] if out.size else NULL
-    p.lse = <char *>&lse[0, 0, 0] if lse.size else NULL
-    p.mask_b = &mask_bool[0, 0, 0, 0] if mask_bool.size else NULL
-    p.mask_f = <const char *>&mask_float[0, 0, 0, 0] if mask_float.size else NULL
-    p.alibi = <const char *>&alibi[0, 0] if alibi.size else NULL

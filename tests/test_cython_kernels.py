@@ -9,8 +9,9 @@ from helpers import assert_close_to_reference, randn
 
 import fastattn as fa
 from fastattn import reference
-from fastattn._backends._kernel_args import forward_inputs, forward_outputs
+from fastattn._backends._kernel_args import forward_outputs, kernel_args
 from fastattn._inputs import make_problem
+from fastattn._tuning import tuning
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +43,13 @@ def level(request, K):
 
 def run_kernel(K, kernel, p, threads):
     out, lse = forward_outputs(p)
-    getattr(K, kernel)(*forward_inputs(p), out, lse, threads)
+    getattr(K, kernel)(kernel_args(p, threads), out, lse)
     return out, lse
+
+
+def no_sinks(p):
+    """The dsinks argument of a problem without sinks (not written)."""
+    return np.zeros(1, p.dtype)
 
 
 def check(K, kernel, threads, q, k, v, **kw):
@@ -153,7 +159,7 @@ def test_info(K):
 # ----------------------------------------------------------------------------------------------
 def run_backward(K, p, threads, dout, out, lse):
     dq, dk, dv = np.empty_like(p.q), np.empty_like(p.k), np.empty_like(p.v)
-    K.backward(*forward_inputs(p), dout, out, lse, dq, dk, dv, threads)
+    K.backward(kernel_args(p, threads), dout, out, lse, dq, dk, dv, no_sinks(p))
     return dq, dk, dv
 
 
@@ -308,11 +314,12 @@ def test_backward_bad_arguments(K):
     out, lse = run_kernel(K, "forward", p, 1)
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
     with pytest.raises(ValueError, match="dout"):
-        K.backward(*forward_inputs(p), np.ascontiguousarray(out[:, :, :4]), out, lse, dq, dk, dv, 1)
+        K.backward(kernel_args(p, 1), np.ascontiguousarray(out[:, :, :4]), out, lse, dq, dk, dv,
+                   no_sinks(p))
     with pytest.raises(ValueError, match="must match q, k, v"):
-        K.backward(*forward_inputs(p), out, out, lse, dq, dk[:, :1], dv, 1)
+        K.backward(kernel_args(p, 1), out, out, lse, dq, dk[:, :1], dv, no_sinks(p))
     with pytest.raises(ValueError, match="do not match"):
-        K.backward(*forward_inputs(p), out, out, lse[:, :1], dq, dk, dv, 1)
+        K.backward(kernel_args(p, 1), out, out, lse[:, :1], dq, dk, dv, no_sinks(p))
     # empty sizes write every element (zeros) and do not crash
     for Ls, Ss in ((0, 6), (5, 0)):
         pe = make_problem(randn(rng, (1, 2, Ls, 8)), randn(rng, (1, 2, Ss, 8)), randn(rng, (1, 2, Ss, 8)))
@@ -320,7 +327,7 @@ def test_backward_bad_arguments(K):
         oe[...] = 0
         le[...] = -np.inf
         g = [np.full_like(x, np.nan) for x in (pe.q, pe.k, pe.v)]
-        K.backward(*forward_inputs(pe), oe, oe, le, *g, 1)
+        K.backward(kernel_args(pe, 1), oe, oe, le, *g, no_sinks(pe))
         assert all(np.all(x == 0) for x in g)
 
 
@@ -335,11 +342,8 @@ def test_backward_kept_or_recomputed_tiles(K, level, dtype):
                dict(softcap=3.0, dropout_p=0.2, rng=5, window=(100, 30),
                     attn_mask=rng.random((2, 1, 150, 333)) < 0.8)):
         kept = check_backward(K, 2, q, k, v, dout, **kw)
-        K.set_bwd_blocks(keep_bytes=0)
-        try:
+        with tuning(bwd_keep_bytes=0):
             again = check_backward(K, 2, q, k, v, dout, **kw)
-        finally:
-            K.set_bwd_blocks()
         for a, b in zip(kept, again):
             assert np.array_equal(a, b)
 
@@ -361,11 +365,37 @@ def test_decode_prefetch_slices_same_bits(K, level, dtype, L):
     for vv, kw in cases:
         p = make_problem(q, k, vv, enable_gqa=True, **kw)
         sliced = run_kernel(K, "decode", p, 2)
-        K.set_prefetch_slices(960, 960)
-        try:
+        with tuning(prefetch_qk=960, prefetch_pv=960):
             whole = run_kernel(K, "decode", p, 2)
-        finally:
-            K.set_prefetch_slices(12, 32)
         for a, b in zip(sliced, whole):
             assert np.array_equal(a, b, equal_nan=True)
         assert np.isfinite(sliced[0]).all()
+
+
+def test_tuning_is_per_call_and_checked(K):
+    """Block sizes come from the record (fastattn._tuning), not from process-global setters:
+    other sizes give the same answer within the tolerance, the defaults are restored after the
+    block, and an invalid value raises ValueError naming the field."""
+    for name in ("set_blocks", "set_bwd_blocks", "set_decode_options", "set_prefetch_slices"):
+        assert not hasattr(K, name)
+    rng = np.random.default_rng(4)
+    q, k, v = randn(rng, (1, 2, 300, 32)), randn(rng, (1, 2, 700, 32)), randn(rng, (1, 2, 700, 16))
+    dout = randn(rng, (1, 2, 300, 16))
+    p = make_problem(q, k, v, is_causal=True)
+    base = run_kernel(K, "forward", p, 2)
+    with tuning(block_q=96, block_k=64, block_q_banded=192, decode_block_k=24,
+                decode_use_dot=0, bwd_block_q=64, bwd_block_k=48, bwd_block_edge=8,
+                bwd_items_per_thread=3):
+        check(K, "forward", 2, q, k, v, is_causal=True)
+        check(K, "decode", 2, q[:, :, :3], k, v)
+        check_backward(K, 2, q, k, v, dout, is_causal=True)
+        assert kernel_args(p, 1).tuning.block_k == 64
+    again = run_kernel(K, "forward", p, 2)
+    for a, b in zip(base, again):
+        assert np.array_equal(a, b)
+    bad = [("block_q", 100), ("block_k", -1), ("bwd_block_q", 128), ("bwd_block_q", 40),
+           ("bwd_keep_bytes", -2), ("decode_use_dot", 2), ("prefetch_qk", 13),
+           ("prefetch_pv", 48), ("decode_block_k", -5)]
+    for field, value in bad:
+        with tuning(**{field: value}), pytest.raises(ValueError, match=f"tuning.{field}"):
+            run_kernel(K, "forward", p, 1)

@@ -10,7 +10,6 @@ import os
 
 from .. import _process
 from ._compiled import CompiledBackend
-from ._kernel_args import legacy_inputs
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,14 +37,9 @@ class CythonBackend(CompiledBackend):
 
     def _load(self) -> None:
         self._k = k = _import_kernels()
-        # transition: the extension's kernels still take positional arguments; these adapters
-        # unpack the record until they take it whole
-        self._forward_kernel = lambda a, out, lse: k.forward(*legacy_inputs(a), out, lse,
-                                                             a.n_threads)
-        self._decode_kernel = lambda a, out, lse: k.decode(*legacy_inputs(a), out, lse,
-                                                           a.n_threads)
-        self._backward_kernel = (lambda a, dout, out, lse, dq, dk, dv, dsinks: k.backward(
-            *legacy_inputs(a), dout, out, lse, dq, dk, dv, a.n_threads))
+        self._forward_kernel = k.forward
+        self._decode_kernel = k.decode
+        self._backward_kernel = k.backward
         self._softmax_kernel = k.softmax_rows
         if _process.forked():
             # imported first in a fork() child: the parent may have used the same libgomp

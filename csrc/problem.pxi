@@ -1,0 +1,209 @@
+# The one C struct of a call (AttnProblem), filled once from the kernel record
+# (fastattn/_backends/_kernel_args.py: KernelArgs) by fill_problem.  Every kernel family reads
+# its options, arrays and tuning from here; none keeps state between calls.
+
+# Backward: keep a block's tiles between the sweeps while they take at most this many bytes per
+# thread (a band of ~18k keys in float32); longer bands recompute S and dP in sweep 2 (7 tile
+# GEMMs instead of 5), so the bound caps memory (keeping was the faster of the two wherever it
+# was measured: bench/results/).
+cdef enum:
+    BWD_KEEP_BYTES = 16 << 20
+
+
+ctypedef struct Tune:                # KernelArgs.tuning, defaults applied and checked
+    ptrdiff_t fwd_bq                 # forward: query rows per item (multiple of 96)
+    ptrdiff_t fwd_bq_banded          #   the same under a causal/window band
+    ptrdiff_t fwd_bk                 #   keys per block
+    ptrdiff_t bwd_w                  # backward: query rows per block (multiple of 32, <= 96)
+    ptrdiff_t bwd_bk                 #   keys per sub-block inside the band
+    ptrdiff_t bwd_db                 #   keys per sub-block where the band edge cuts the block
+    ptrdiff_t bwd_items_per_thread   #   split a kv head's query blocks below this
+    ptrdiff_t bwd_keep_bytes         #   largest band tiles per thread kept between sweeps
+    ptrdiff_t dec_bk                 # decode: keys per block
+    bint dec_use_dot                 #   dot-product scores for <= 4 rows
+    ptrdiff_t pf_qk, pf_pv           #   keys per slice between prefetches (multiples of 12, 32)
+
+
+ctypedef struct AttnProblem:
+    const char *q
+    const char *k
+    const char *v
+    char *out
+    char *lse
+    const uint8_t *mask_b
+    const char *mask_f
+    const char *alibi
+    const char *sinks                # (Hq,) T when has_sinks
+    ptrdiff_t B, Hq, Hkv, G, L, S, E, Ev
+    int mask_kind
+    int64_t msb, msh, msi, msj       # element strides of the active mask (0 = broadcast)
+    int has_alibi
+    int64_t alibi_bs                 # 0 when alibi is (1, Hq)
+    int has_sinks
+    double scale                     # applied to each finished dot product (fa_qk epilogue)
+    double softcap
+    int64_t q_offset, wl, wr
+    int has_dropout
+    uint32_t seed, thresh
+    uint32_t drop_bh0, drop_bh_stride, drop_row0, drop_col0   # hash coordinates of (b, h, i, j)
+    double keep_scale                # 1 / (1 - dropout_p)
+    int n_threads
+    Tune tune
+    # set by the kernel family before its loop
+    ptrdiff_t Bk                     # keys per block
+    bint prefetch                    # software-prefetch the next K/V block (decode streams
+                                     # K/V from DRAM once; forward re-reads them from L2)
+    ptrdiff_t Wcap                   # lane capacity of the scratch (query rows per item + slack)
+    ptrdiff_t lds, ldo               # row strides of S and of the accumulator O
+
+
+cdef inline uint32_t drop_row_key(AttnProblem *p, ptrdiff_t b, ptrdiff_t h,
+                                  ptrdiff_t i) noexcept nogil:
+    """The dropout hash's row key of query row i of head (b, h), at the call's offsets."""
+    return fa_row_key(p.seed, p.drop_bh0 + <uint32_t>b * p.drop_bh_stride + <uint32_t>h,
+                      p.drop_row0 + <uint32_t>i)
+
+
+cdef ptrdiff_t tune_field(object t, str name, ptrdiff_t default, ptrdiff_t multiple,
+                          ptrdiff_t most, ptrdiff_t unset) except -2:
+    """Field `name` of the Tuning record: `unset` -> default; else a positive multiple of
+    `multiple`, at most `most` (0 = no bound)."""
+    cdef object x = getattr(t, name)
+    if x == unset:
+        return default
+    if x <= 0 or x % multiple or (most and x > most):
+        rule = "positive" if multiple == 1 else f"a positive multiple of {multiple}"
+        if most:
+            rule += f", at most {most}"
+        raise ValueError(f"tuning.{name} must be {rule} ({unset} = default {default}), got {x}")
+    return x
+
+
+cdef int fill_tune(Tune *t, object tuning) except -1:
+    t.fwd_bq = tune_field(tuning, "block_q", 192, 96, 0, 0)
+    t.fwd_bq_banded = tune_field(tuning, "block_q_banded", 96, 96, 0, 0)
+    t.fwd_bk = tune_field(tuning, "block_k", 256, 1, 0, 0)
+    t.bwd_w = tune_field(tuning, "bwd_block_q", 96, 32, FA_BWD_MAXW, 0)
+    t.bwd_bk = tune_field(tuning, "bwd_block_k", 96, 1, 0, 0)
+    t.bwd_db = tune_field(tuning, "bwd_block_edge", 24, 1, 0, 0)
+    t.bwd_items_per_thread = tune_field(tuning, "bwd_items_per_thread", 1, 1, 0, 0)
+    if tuning.bwd_keep_bytes == -1:
+        t.bwd_keep_bytes = BWD_KEEP_BYTES
+    elif tuning.bwd_keep_bytes >= 0:
+        t.bwd_keep_bytes = tuning.bwd_keep_bytes
+    else:
+        raise ValueError(f"tuning.bwd_keep_bytes must be >= 0 (-1 = default "
+                         f"{BWD_KEEP_BYTES}), got {tuning.bwd_keep_bytes}")
+    t.dec_bk = tune_field(tuning, "decode_block_k", 48, 1, 0, 0)
+    if tuning.decode_use_dot not in (-1, 0, 1):
+        raise ValueError(f"tuning.decode_use_dot must be 0 or 1 (-1 = default 1), "
+                         f"got {tuning.decode_use_dot}")
+    t.dec_use_dot = tuning.decode_use_dot != 0
+    t.pf_qk = tune_field(tuning, "prefetch_qk", 12, 12, 0, 0)
+    t.pf_pv = tune_field(tuning, "prefetch_pv", 32, 32, 0, 0)
+    return 0
+
+
+cdef int64_t mask_stride(tuple shape, tuple want, tuple strides, Py_ssize_t item,
+                         int d) except -2:
+    """Element stride of mask dim d as the record gives it, checked against the array's own
+    (a wrong one would read out of bounds)."""
+    if shape[d] == 1:
+        return 0
+    if want[d] < 0 or want[d] * item != strides[d]:
+        raise ValueError(f"attention kernel: mask strides {want} (elements) do not match the "
+                         f"mask array (shape {shape}, byte strides "
+                         f"{strides})")
+    return want[d]
+
+
+cdef int fill_problem(AttnProblem *p, object a, floating *dummy, Py_ssize_t *outs,
+                      Py_ssize_t *lses) except -1:
+    """Check the record (make_problem guarantees it; this is the safety net against a
+    segfault) and fill p from it.  outs/lses: shapes of the out/lse arrays of the call."""
+    cdef const floating[:, :, :, ::1] q = a.q
+    cdef const floating[:, :, :, ::1] k = a.k
+    cdef const floating[:, :, :, ::1] v = a.v
+    cdef const uint8_t[:, :, :, :] mb = a.mask_bool
+    cdef const floating[:, :, :, :] mf = a.mask_float
+    cdef const floating[:, ::1] al = a.alibi
+    cdef const floating[::1] sk = a.sinks
+    cdef tuple qs = shape4(q.shape), ks = shape4(k.shape), vs = shape4(v.shape)
+    cdef ptrdiff_t B = qs[0], Hq = qs[1], L = qs[2], E = qs[3]
+    cdef ptrdiff_t Hkv = ks[1], S = ks[2], Ev = vs[3]
+    if ks[0] != B or vs[0] != B or vs[1] != Hkv or vs[2] != S or ks[3] != E:
+        raise ValueError(f"attention kernel: q {qs}, k {ks}, v {vs} do not agree")
+    if Hkv == 0 and Hq != 0 or Hkv != 0 and Hq % Hkv != 0:
+        raise ValueError(f"attention kernel: Hq={Hq} is not a multiple of Hkv={Hkv}")
+    if shape4(outs) != (B, Hq, L, Ev) or (lses[0], lses[1], lses[2]) != (B, Hq, L):
+        raise ValueError(f"attention kernel: out {shape4(outs)} / lse "
+                         f"{(lses[0], lses[1], lses[2])} do not match "
+                         f"{(B, Hq, L, Ev)} / {(B, Hq, L)}")
+    cdef int mask_kind = a.mask_kind
+    if mask_kind not in (0, 1, 2):
+        raise ValueError(f"attention kernel: mask_kind must be 0, 1 or 2, got {mask_kind}")
+    cdef tuple ms = shape4(mb.shape) if mask_kind == 1 else shape4(mf.shape)
+    cdef tuple full = (B, Hq, L, S)
+    cdef tuple want = tuple(a.mask_strides)
+    cdef tuple mstrides = shape4(mb.strides) if mask_kind == 1 else shape4(mf.strides)
+    cdef Py_ssize_t item = 1 if mask_kind == 1 else sizeof(floating)
+    p.msb = p.msh = p.msi = p.msj = 0
+    if mask_kind:
+        for d in range(4):
+            if ms[d] != 1 and ms[d] != full[d]:
+                raise ValueError(f"attention kernel: mask shape {ms} does not broadcast "
+                                 f"to {full}")
+        p.msb = mask_stride(ms, want, mstrides, item, 0)
+        p.msh = mask_stride(ms, want, mstrides, item, 1)
+        p.msi = mask_stride(ms, want, mstrides, item, 2)
+        p.msj = mask_stride(ms, want, mstrides, item, 3)
+    cdef bint has_alibi = a.has_alibi
+    if has_alibi and (al.shape[1] != Hq or al.shape[0] not in (1, B)):
+        raise ValueError(f"attention kernel: alibi shape {(al.shape[0], al.shape[1])}, "
+                         f"expected (1 or {B}, {Hq})")
+    cdef bint has_sinks = a.has_sinks
+    if has_sinks and sk.shape[0] != Hq:
+        raise ValueError(f"attention kernel: sinks shape ({sk.shape[0]},), expected ({Hq},)")
+    cdef double dropout_p = a.dropout_p
+    if not (0.0 <= dropout_p < 1.0):
+        raise ValueError(f"attention kernel: dropout_p={dropout_p} outside [0, 1)")
+    cdef int64_t win_left = a.win_left, win_right = a.win_right
+    if win_left < 0 or win_right < 0:
+        raise ValueError("attention kernel: window sides must be >= 0")
+    seed = int(a.seed)
+    if not (0 <= seed < 2 ** 32):
+        raise ValueError(f"attention kernel: seed {seed} is not a uint32")
+    for name in ("dropout_bh0", "dropout_bh_stride", "dropout_row0", "dropout_col0"):
+        if not (0 <= getattr(a, name) < 2 ** 32):
+            raise ValueError(f"attention kernel: {name}={getattr(a, name)} is not a uint32")
+    fill_tune(&p.tune, a.tuning)
+    p.B, p.Hq, p.Hkv, p.L, p.S, p.E, p.Ev = B, Hq, Hkv, L, S, E, Ev
+    p.G = Hq // Hkv if Hkv else 1
+    p.mask_kind = mask_kind
+    p.has_alibi = has_alibi
+    p.alibi_bs = Hq if has_alibi and al.shape[0] != 1 else 0
+    p.has_sinks = has_sinks
+    p.scale = a.scale
+    p.softcap = a.softcap if a.softcap > 0 else 0.0
+    p.q_offset = a.q_offset
+    # an "unbounded" side arrives as L + S + 1; clamp so pos +- w can never overflow int64
+    p.wl = min(win_left, L + S + 1)
+    p.wr = min(win_right, L + S + 1)
+    p.has_dropout = dropout_p > 0
+    p.seed = <uint32_t>seed
+    p.thresh = <uint32_t>min(int(dropout_p * 4294967296.0), 4294967295)
+    p.keep_scale = 1.0 / (1.0 - dropout_p)
+    p.drop_bh0, p.drop_bh_stride = a.dropout_bh0, a.dropout_bh_stride
+    p.drop_row0, p.drop_col0 = a.dropout_row0, a.dropout_col0
+    p.n_threads = a.n_threads
+    # size-0 dims have no element 0: NULL instead (never read).  The record holds the arrays
+    # for the whole call, so the pointers outlive these views.
+    p.q = <const char *>&q[0, 0, 0, 0] if q.size else NULL
+    p.k = <const char *>&k[0, 0, 0, 0] if k.size else NULL
+    p.v = <const char *>&v[0, 0, 0, 0] if v.size else NULL
+    p.mask_b = &mb[0, 0, 0, 0] if mb.size else NULL
+    p.mask_f = <const char *>&mf[0, 0, 0, 0] if mf.size else NULL
+    p.alibi = <const char *>&al[0, 0] if al.size else NULL
+    p.sinks = <const char *>&sk[0] if sk.size else NULL
+    p.out = p.lse = NULL
+    return 0
