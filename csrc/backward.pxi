@@ -27,6 +27,7 @@
 # the band are never read.
 
 from libc.string cimport memcpy
+from libc.stdlib cimport calloc
 
 # Block sizes: AttnProblem.tune (problem.pxi; defaults 96 query rows per block, 96 keys per
 # interior sub-block, 24 per band-edge sub-block).
@@ -256,6 +257,23 @@ cdef void bwd_sweep2(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, pt
          <const floating *>w.ones, Wt, exact)
 
 
+cdef void bwd_sink_rows(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy,
+                        ptrdiff_t h, ptrdiff_t row0, ptrdiff_t rows) noexcept nogil:
+    """Sinks: the weights of a row sum to Z + P_sink = 1 (P_sink = exp(sink - lse)), not Z,
+    so normalize by Z + P_sink; and the row's share of dsinks[h], -P_sink * D, goes to
+    a.rowsink (summed in a fixed order after the parallel loop)."""
+    cdef double sink = (<const floating *>p.sinks)[h], z, ps, lv
+    cdef const floating *flse = <const floating *>a.flse
+    cdef ptrdiff_t r
+    for r in range(rows):
+        lv = flse[row0 + r]
+        ps = exp(sink - lv) if lv != -INFINITY else 0
+        z = w.acc[r] + ps
+        (<floating *>w.invZ)[r] = <floating>(1.0 / z) if z > 0 else 0
+        w.D[r] = w.acc[FA_BWD_LDS + r] / z if z > 0 else 0
+        a.rowsink[row0 + r] = -(ps / z) * w.D[r] if z > 0 else 0
+
+
 cdef void bwd_block(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, ptrdiff_t b,
                     ptrdiff_t h, ptrdiff_t hk, ptrdiff_t i0, floating *dk_t,
                     floating *dv_t) noexcept nogil:
@@ -312,6 +330,8 @@ cdef void bwd_block(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, ptr
         z = acc[r]
         invZ[r] = <floating>(1.0 / z) if z > 0 else 0
         D[r] = acc[FA_BWD_LDS + r] / z if z > 0 else 0
+    if p.has_sinks:
+        bwd_sink_rows(p, a, w, dummy, h, row0, rows)
     ja = jlo
     while ja < jhi:
         if next_sub(p, a, pw, i0, rows, jlo, jhi, ja, &sb):
@@ -390,6 +410,20 @@ cdef void bwd_reduce(AttnProblem *p, BwdArgs *a, floating *dummy, ptrdiff_t it,
             dst[x] = dst[x] * ks
 
 
+cdef void bwd_sinks_sum(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept nogil:
+    """dsinks[h] = sum over batches and rows of the rows' shares, in one fixed order."""
+    cdef ptrdiff_t b, h, i
+    cdef double acc
+    cdef const double *src
+    for h in range(p.Hq):
+        acc = 0
+        for b in range(p.B):
+            src = a.rowsink + (b * p.Hq + h) * p.L
+            for i in range(p.L):
+                acc += src[i]
+        (<floating *>a.dsinks)[h] = <floating>acc
+
+
 cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept nogil:
     cdef ptrdiff_t nbh = p.B * p.Hkv, i, u, c, it, n_items
     cdef int fail = 0
@@ -433,6 +467,11 @@ cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept nogi
     a.ubound = <ptrdiff_t *>malloc((a.C + 1) * sizeof(ptrdiff_t))
     if a.ubound == NULL:
         return -1
+    if p.has_sinks:
+        a.rowsink = <double *>calloc(p.B * p.Hq * p.L, sizeof(double))
+        if a.rowsink == NULL:
+            free(a.ubound)
+            return -1
     # cost-balanced chunk boundaries: a unit (query block) costs rows x keys of its band
     cdef double total = 0, acc = 0, cost
     cdef int64_t pmin, pmax, jl, jh
@@ -465,6 +504,7 @@ cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept nogi
             free(a.kpart)
             free(a.vpart)
             free(a.ubound)
+            free(a.rowsink)
             return -1
     n_items = a.C * nbh
     cdef ptrdiff_t rows_per = 256, n_red = nbh * ((p.S + rows_per - 1) // rows_per)
@@ -485,6 +525,8 @@ cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept nogi
                 if w != NULL:
                     bwd_item(p, a, w, dummy, it)
             bwd_work_free(w)
+    if p.has_sinks and not fail:
+        bwd_sinks_sum(p, a, dummy)
     if a.C > 1 and not fail:
         if nt == 1:
             for it in range(n_red):
@@ -496,6 +538,7 @@ cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept nogi
     free(a.kpart)
     free(a.vpart)
     free(a.ubound)
+    free(a.rowsink)
     return -fail
 
 

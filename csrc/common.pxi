@@ -5,7 +5,7 @@ from libc.stdint cimport int64_t, uint32_t, uint8_t
 from libc.stddef cimport ptrdiff_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
-from libc.math cimport log, INFINITY
+from libc.math cimport exp, log, INFINITY, NAN
 from cython cimport floating
 from cython.parallel cimport prange, parallel
 

@@ -9,8 +9,6 @@
 # leaves an unnormalised partial (O, m, l) and dec_merge combines them by log-sum-exp:
 #     M = max_c m_c,  l = sum_c e^(m_c - M) l_c,  out = sum_c e^(m_c - M) O_c / l,  lse = M + log l
 
-from libc.math cimport exp
-
 # Keys per block (tune.dec_bk, default 48): small enough that a block's V (Bk x Ev floats)
 # stays in L1 across the P·V column panels, a multiple of the 12-row key strip so fa_qk never
 # copies a tail strip; the next block's prefetch is spread over the compute (attend_rows'
@@ -72,7 +70,8 @@ cdef void dec_merge(AttnProblem *p, floating *dummy, ptrdiff_t g, ptrdiff_t nrg,
                     const floating *part_ml) noexcept nogil:
     cdef ptrdiff_t b, hk, r0, rows, r, rr, h, i, c, cc, it, Ev = p.Ev
     cdef int64_t orow
-    cdef double M, lsum, f, mc
+    cdef double M, lsum, f, mc, lc
+    cdef bint bad
     cdef floating *o
     cdef const floating *src
     cdef floating *lse = <floating *>p.lse
@@ -84,10 +83,18 @@ cdef void dec_merge(AttnProblem *p, floating *dummy, ptrdiff_t g, ptrdiff_t nrg,
         orow = (b * p.Hq + h) * p.L + i
         o = <floating *>p.out + orow * Ev
         M = -INFINITY
+        bad = False
         for c in range(nsplit):
             mc = part_ml[((g * nsplit + c) * Rcap + r) * 2]
+            lc = part_ml[((g * nsplit + c) * Rcap + r) * 2 + 1]
+            bad = bad or lc != lc                # NaN/Inf in the scores: see finish_rows
             if mc > M:
                 M = mc
+        if bad:
+            for cc in range(Ev):
+                o[cc] = NAN
+            lse[orow] = NAN
+            continue
         for cc in range(Ev):
             o[cc] = 0
         lsum = 0
@@ -102,15 +109,28 @@ cdef void dec_merge(AttnProblem *p, floating *dummy, ptrdiff_t g, ptrdiff_t nrg,
                 src = part_O + (it * Rcap + r) * Ev
                 for cc in range(Ev):
                     o[cc] += <floating>(f * src[cc])
-        if lsum > 0:
+        if p.has_sinks:
+            f = sink_fold(row_sink(p, dummy, orow), &M, &lsum)
+            if lsum != lsum:             # a NaN or +inf sink
+                for cc in range(Ev):
+                    o[cc] = NAN
+                lse[orow] = NAN
+                continue
+            if lsum > 0:
+                f = p.keep_scale * f / lsum
+                for cc in range(Ev):
+                    o[cc] = <floating>(o[cc] * f)
+                lse[orow] = <floating>(M + log(lsum))
+                continue
+        elif lsum > 0:
             f = p.keep_scale / lsum
             for cc in range(Ev):
                 o[cc] = <floating>(o[cc] * f)
             lse[orow] = <floating>(M + log(lsum))
-        else:
-            for cc in range(Ev):
-                o[cc] = 0
-            lse[orow] = -INFINITY
+            continue
+        for cc in range(Ev):
+            o[cc] = 0
+        lse[orow] = -INFINITY
 
 
 cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:

@@ -234,26 +234,61 @@ cdef void attend_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, ptr
         j0 += n
 
 
+cdef inline double sink_fold(double sink, double *m, double *l) noexcept nogil:
+    """Fold a sink logit into a finished row's running max m and sum l (the sink counts in the
+    denominator only).  Returns exp(m_old - m_new), the factor for the row's accumulated
+    output: 0 when the row attended no key, so such a row gives out 0 and lse = sink."""
+    cdef double mt = m[0] if m[0] > sink else sink
+    cdef double g
+    if mt == -INFINITY:                  # no key and a -inf sink: still the empty row
+        return 0
+    g = exp(m[0] - mt)
+    l[0] = l[0] * g + exp(sink - mt)
+    m[0] = mt
+    return g
+
+
+cdef inline double row_sink(AttnProblem *p, floating *dummy, int64_t orow) noexcept nogil:
+    """The sink logit of global query row orow = (b * Hq + h) * L + i."""
+    return (<const floating *>p.sinks)[(orow // p.L) % p.Hq]
+
+
 cdef void finish_rows(AttnProblem *p, Work *w, floating *dummy) noexcept nogil:
-    """out = O / l (times the dropout rescale), lse = m + log l; l == 0 -> 0 and -inf."""
+    """out = O / l (times the dropout rescale), lse = m + log l, the sink folded in first;
+    l == 0 -> 0 and -inf; l NaN -> NaN (a NaN or Inf took part in the row's scores: the
+    exponentials turned it into NaN, and it must not pass for a row without keys)."""
     cdef ptrdiff_t r, c, Ev = p.Ev, rows = w.rows
     cdef floating *O = <floating *>w.O
     cdef floating *m = <floating *>w.m
     cdef floating *l = <floating *>w.l
     cdef floating *o
     cdef floating *lse = <floating *>p.lse
-    cdef double inv
+    cdef double inv, mm, ll, g
     for r in range(rows):
         o = <floating *>p.out + w.orow[r] * Ev
-        if l[r] > 0:
+        mm = m[r]
+        ll = l[r]
+        if p.has_sinks:
+            g = sink_fold(row_sink(p, dummy, w.orow[r]), &mm, &ll)
+        if ll != ll:                     # also a NaN or +inf sink
+            for c in range(Ev):
+                o[c] = NAN
+            lse[w.orow[r]] = NAN
+            continue
+        if p.has_sinks:
+            if ll > 0:
+                k_scale_row(O + r * p.ldo, o, Ev, p.keep_scale * g / ll)
+                lse[w.orow[r]] = mm + log(ll)
+                continue
+        elif l[r] > 0:
             # in double: one rounding per output element (float32: O * (1/l) rounded twice)
             inv = p.keep_scale / l[r]
             k_scale_row(O + r * p.ldo, o, Ev, inv)
             lse[w.orow[r]] = m[r] + log(l[r])
-        else:
-            for c in range(Ev):
-                o[c] = 0
-            lse[w.orow[r]] = -INFINITY
+            continue
+        for c in range(Ev):
+            o[c] = 0
+        lse[w.orow[r]] = -INFINITY
 
 
 cdef void fwd_item(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t it, ptrdiff_t Bq,

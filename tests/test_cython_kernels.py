@@ -399,3 +399,146 @@ def test_tuning_is_per_call_and_checked(K):
     for field, value in bad:
         with tuning(**{field: value}), pytest.raises(ValueError, match=f"tuning.{field}"):
             run_kernel(K, "forward", p, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# NaN/Inf in attended inputs (issue 14 item 1)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kernel", ["forward", "decode"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_nonfinite_attended_input_makes_the_row_nan(K, level, kernel, dtype):
+    """A NaN/Inf taking part in a row's scores makes that row's out and lse NaN (the dense
+    reference's answer), never the fully-masked answer (out 0, lse -inf); rows it does not
+    take part in, and positions masked for a row, are unaffected.  S = 3000 so that decode
+    splits the keys across threads and merges partials."""
+    rng = np.random.default_rng(8)
+    L, S = 5, 3000
+    q, k, v = randn(rng, (1, 2, L, 16), dtype), randn(rng, (1, 2, S, 16), dtype), randn(rng, (1, 2, S, 8), dtype)
+    dout = randn(rng, (1, 2, L, 8), dtype)
+    keep = np.ones((L, S), bool)
+    keep[:, 7] = False
+    k_nan, q_inf, k_first, k_masked = k.copy(), q.copy(), k.copy(), k.copy()
+    k_nan[0, 0, 1, 0] = np.nan           # attended by every row of head 0
+    q_inf[0, 1, 2, 3] = np.inf           # row 2 of head 1
+    k_first[0, 0, 0, :] = np.nan         # causal: the only key of row 0
+    k_masked[0, 0, 7, 0] = np.nan        # masked for every row
+    cases = [  # (q, k, options, rows expected NaN as (head, row) pairs)
+        (q, k_nan, {}, [(0, i) for i in range(L)]),
+        (q_inf, k, {}, [(1, 2)]),
+        (q, k_first, dict(is_causal=True), [(0, i) for i in range(L)]),
+        (q, k_masked, dict(attn_mask=keep), []),
+    ]
+    clean = {}
+    for qq, kk, kw, nan_rows in cases:
+        for threads in (1, 2):
+            p = make_problem(qq, kk, v, **kw)
+            out, lse = run_kernel(K, kernel, p, threads)
+            key = (threads, tuple(kw))
+            if key not in clean:
+                clean[key] = run_kernel(K, kernel, make_problem(q, k, v, **kw), threads)
+            expect = np.zeros((2, L), bool)
+            for h, i in nan_rows:
+                expect[h, i] = True
+            assert np.array_equal(np.isnan(lse[0]), expect), (kw, lse)
+            assert np.all(np.isnan(out[0][expect]))
+            np.testing.assert_allclose(out[0][~expect], clean[key][0][0][~expect], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(lse[0][~expect], clean[key][1][0][~expect], rtol=1e-5)
+            if kernel == "forward":
+                dq, dk, dv = run_backward(K, p, threads, dout, out, lse)
+                assert np.all(np.isnan(dq[0][expect]))
+                if not nan_rows:
+                    assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# attention sinks (issue 13 item 5)
+# ----------------------------------------------------------------------------------------------
+def dense_sinks(q, k, v, sinks, keep, scale, dout, dtype):
+    """Attention with one sink logit per query head, densely in `dtype`: the sink is an extra
+    key column with value 0.  Returns out, lse and the gradients dq, dk, dv, dsinks."""
+    q, k, v, dout, sinks = (np.asarray(x, dtype) for x in (q, k, v, dout, sinks))
+    B, Hq, L, _ = q.shape
+    S, G = k.shape[2], Hq // k.shape[1]
+    kk, vv = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    s = np.where(keep, dtype(scale) * (q @ kk.swapaxes(-1, -2)), -np.inf)
+    s = np.concatenate([s, np.broadcast_to(sinks[None, :, None, None], (B, Hq, L, 1))], -1)
+    m = s.max(-1, keepdims=True)
+    e = np.exp(s - m)
+    z = e.sum(-1, keepdims=True)
+    P = e / z
+    lse = (m + np.log(z))[..., 0]
+    out = P[..., :S] @ vv
+    dP = np.concatenate([dout @ vv.swapaxes(-1, -2), np.zeros((B, Hq, L, 1), dtype)], -1)
+    dS = P * (dP - (P * dP).sum(-1, keepdims=True))
+    dq = dtype(scale) * dS[..., :S] @ kk
+    dk = (dtype(scale) * dS[..., :S].swapaxes(-1, -2) @ q).reshape(B, -1, G, S, q.shape[3]).sum(2)
+    dv = (P[..., :S].swapaxes(-1, -2) @ dout).reshape(B, -1, G, S, v.shape[3]).sum(2)
+    return out, lse, dq, dk, dv, dS[..., S].sum((0, 2))
+
+
+SINK_CASES = {  # name: (B, Hq, Hkv, L, S, options)
+    "plain": (2, 4, 2, 37, 53, {}),
+    "causal_br_empty_rows": (1, 2, 2, 60, 40, dict(is_causal=True, causal_alignment="bottom_right")),
+    "window": (1, 2, 1, 130, 200, dict(window=(30, 5))),
+    "mask_empty_rows": (2, 2, 2, 20, 70, "mask"),
+    "decode_split": (1, 2, 1, 1, 3000, {}),
+    "decode_gqa": (1, 8, 2, 3, 500, {}),
+}
+
+
+def sink_problem(rng, case, dtype):
+    B, Hq, Hkv, L, S, kw = SINK_CASES[case]
+    q, k, v = randn(rng, (B, Hq, L, 24), dtype) * 2, randn(rng, (B, Hkv, S, 24), dtype), randn(rng, (B, Hkv, S, 16), dtype)
+    dout = randn(rng, (B, Hq, L, 16), dtype)
+    br = isinstance(kw, dict) and kw.get("causal_alignment") == "bottom_right"
+    pos = np.arange(L)[:, None] + (S - L if br else 0)
+    j = np.arange(S)[None, :]
+    if kw == "mask":
+        keep = rng.random((B, 1, L, S)) < 0.7
+        keep[:, :, [0, 5]] = False                         # rows without keys
+        kw = dict(attn_mask=keep)
+    elif "is_causal" in kw:
+        keep = j <= pos
+    elif "window" in kw:
+        keep = (j >= pos - kw["window"][0]) & (j <= pos + kw["window"][1])
+    else:
+        keep = np.ones((L, S), bool)
+    p = make_problem(q, k, v, enable_gqa=True, **kw)
+    # per-head logits from well below to well above the scores (the sink can hold the max)
+    p.sinks = np.linspace(-3.0, 12.0, Hq).astype(p.dtype)
+    return p, np.broadcast_to(keep, (B, Hq, L, S)), dout
+
+
+@pytest.mark.parametrize("kernel", ["forward", "decode"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", list(SINK_CASES))
+def test_sinks_against_dense(K, level, kernel, dtype, case):
+    """Sinks in the softmax denominator only: out, lse (which includes the sink) and the
+    backward's dq, dk, dv, dsinks against a dense float64 computation with the sink as an
+    extra key of value 0; a row without keys gives out 0 and lse = sink exactly."""
+    rng = np.random.default_rng(len(case))
+    p, keep, dout = sink_problem(rng, case, dtype)
+    low = np.float64 if dtype == np.float64 else np.float32
+    ref = dense_sinks(p.q, p.k, p.v, p.sinks, keep, p.scale, dout, np.float64)
+    naive = dense_sinks(p.q, p.k, p.v, p.sinks, keep, p.scale, dout, low)
+    for threads in (1, 2):
+        out, lse = run_kernel(K, kernel, p, threads)
+        assert_close_to_reference(out, ref[0], naive[0], low, f"{kernel} out")
+        assert_close_to_reference(lse, ref[1], naive[1], low, f"{kernel} lse")
+        empty = ~keep.any(-1)
+        assert np.all(out[empty] == 0)
+        assert np.array_equal(lse[empty], np.broadcast_to(p.sinks[None, :, None], lse.shape)[empty])
+        if kernel == "forward":
+            dq, dk, dv = np.empty_like(p.q), np.empty_like(p.k), np.empty_like(p.v)
+            dsinks = np.full(p.sinks.shape, np.nan, p.dtype)
+            K.backward(kernel_args(p, threads), dout, out, lse, dq, dk, dv, dsinks)
+            for name, got, r, n in zip(("dq", "dk", "dv", "dsinks"), (dq, dk, dv, dsinks), ref[2:], naive[2:]):
+                assert_close_to_reference(got, r, n, low, f"backward {name}")
+
+
+def test_sinks_reach_the_backend(K):
+    """The cython backend serves problems with sinks (it no longer refuses the option)."""
+    from fastattn._backends import resolve
+    p, _, _ = sink_problem(np.random.default_rng(0), "plain", np.float32)
+    assert resolve(p, "forward", "cython").name == "cython"
+    assert resolve(p, "backward", "cython").name == "cython"

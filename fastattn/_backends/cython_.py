@@ -33,7 +33,6 @@ def _import_kernels():
 
 class CythonBackend(CompiledBackend):
     name = "cython"
-    unsupported_options = {"sinks": "cython's kernels do not implement sinks yet"}
 
     def _load(self) -> None:
         self._k = k = _import_kernels()
