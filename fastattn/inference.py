@@ -93,6 +93,13 @@ def _rotate(x: np.ndarray, pos: np.ndarray, cos: np.ndarray, sin: np.ndarray,
     return out
 
 
+def _sequence_options(is_causal, window, softcap, sinks, scale, gqa, backend) -> dict:
+    """scaled_dot_product_attention's keywords for one sequence: causal is bottom-right (the
+    last query on the last key), as flash-attn has it for these functions."""
+    return dict(is_causal=bool(is_causal), causal_alignment="bottom_right", window=window,
+                softcap=softcap, sinks=sinks, scale=scale, enable_gqa=gqa, backend=backend)
+
+
 def _alibi_row(alibi_slopes, b: int, B: int, Hq: int, fn: str):
     if alibi_slopes is None:
         return None
@@ -226,10 +233,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                              f"call needs {need}")
     # every option of the attention itself is checked by scaled_dot_product_attention: run the
     # first sequence's checks on an empty problem now, so a bad option is rejected before writing
-    opts = dict(is_causal=bool(is_causal), causal_alignment="bottom_right", window=window,
-                softcap=softcap, scale=scale, enable_gqa=Hq != Hkv, backend=backend)
-    if sinks is not None:
-        opts["sinks"] = sinks
+    opts = _sequence_options(is_causal, window, softcap, sinks, scale, Hq != Hkv, backend)
     scaled_dot_product_attention(q[:0, :0].transpose(0, 2, 1, 3), k_cache[:0, :0].transpose(0, 2, 1, 3),
                                  v_cache[:0, :0].transpose(0, 2, 1, 3), **opts)
     alibis = [_alibi_row(alibi_slopes, b, B, Hq, fn) for b in range(B)]
@@ -335,10 +339,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
     q, k, v, cq, ck = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                       max_seqlen_k, fn)
     n_seq, Hq, Hkv = cq.size - 1, q.shape[1], k.shape[1]
-    opts = dict(is_causal=bool(is_causal), causal_alignment="bottom_right", window=window,
-                softcap=softcap, scale=scale, enable_gqa=Hq != Hkv, backend=backend)
-    if sinks is not None:
-        opts["sinks"] = sinks
+    opts = _sequence_options(is_causal, window, softcap, sinks, scale, Hq != Hkv, backend)
     alibis = [_alibi_row(alibi_slopes, i, n_seq, Hq, fn) for i in range(n_seq)]
     out = np.empty(q.shape[:2] + (v.shape[2],), q.dtype)
     lse = np.empty((Hq, q.shape[0]), np.float64 if q.dtype == np.float64 else np.float32)
@@ -373,10 +374,7 @@ def varlen_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seql
     if s.shape != (Hq, q.shape[0]):
         raise ValueError(f"{fn}: lse must have shape (Hq, total_q) = {(Hq, q.shape[0])}, got "
                          f"{s.shape}")
-    opts = dict(is_causal=bool(is_causal), causal_alignment="bottom_right", window=window,
-                softcap=softcap, scale=scale, enable_gqa=Hq != Hkv, backend=backend)
-    if sinks is not None:
-        opts["sinks"] = sinks
+    opts = _sequence_options(is_causal, window, softcap, sinks, scale, Hq != Hkv, backend)
     alibis = [_alibi_row(alibi_slopes, i, n_seq, Hq, fn) for i in range(n_seq)]
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     dsinks = None
