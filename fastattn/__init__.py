@@ -8,8 +8,8 @@ See README.md for the semantics; `python -m fastattn info` shows which backends 
 from . import _process  # noqa: F401  (registers the fork hook before any backend loads)
 from .api import (attention, merge_attention, merge_heads, multihead, scaled_dot_product_attention,
                   scaled_dot_product_attention_backward, softmax, split_heads)
-from ._backends import (BackendInfo, BackendUnavailableError, backends, get_backend, set_backend,
-                       use_backend)
+from ._backends import (BackendInfo, BackendUnavailableError, backends, get_backend,
+                        reload_environment, set_backend, use_backend)
 from .inference import attention_with_kvcache, varlen_attention, varlen_attention_backward
 from .masks import causal_mask, padding_mask, sliding_window_mask
 from .nn import KVCache
@@ -20,6 +20,6 @@ __all__ = [
     "scaled_dot_product_attention", "scaled_dot_product_attention_backward", "merge_attention", "softmax", "attention", "multihead",
     "split_heads", "merge_heads", "attention_with_kvcache", "varlen_attention",
     "varlen_attention_backward", "KVCache", "causal_mask", "padding_mask", "sliding_window_mask",
-    "backends", "get_backend", "set_backend", "use_backend", "BackendInfo",
+    "backends", "get_backend", "set_backend", "use_backend", "reload_environment", "BackendInfo",
     "BackendUnavailableError", "__version__",
 ]

@@ -5,6 +5,7 @@ so a backend only ever sees C-contiguous float32/float64 arrays and plain scalar
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -24,12 +25,20 @@ def compute_dtype(dtype: np.dtype) -> np.dtype | None:
     float16 and bfloat16 compute in float32 (their own range overflows in Q.K^T) and the result is
     cast back; float32 and float64 compute in their own precision.
     """
+    known = _COMPUTE_DTYPE.get(dtype)       # every call checks q, k and v: skip np.dtype()
+    if known is not None:
+        return known
     dtype = np.dtype(dtype)
     if dtype == np.float64:
         return np.dtype(np.float64)
     if dtype in (np.float32, np.float16) or dtype.name == "bfloat16":
         return np.dtype(np.float32)
     return None
+
+
+_COMPUTE_DTYPE = {np.dtype(np.float32): np.dtype(np.float32),
+                  np.dtype(np.float64): np.dtype(np.float64),
+                  np.dtype(np.float16): np.dtype(np.float32)}
 
 
 def describe(x) -> str:
@@ -71,6 +80,8 @@ def lse_dtype(compute: np.dtype) -> np.dtype:
 # scalar options
 # ----------------------------------------------------------------------------------------------
 def _real(x, name: str, fn: str) -> float:
+    if type(x) is float or type(x) is int:      # the usual case, without the ABC check
+        return float(x)
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
         raise TypeError(f"{fn}: {name} must be a real number, got {describe(x)}")
     return float(x)
@@ -171,7 +182,9 @@ class Band:
         return j0, max(j0, j1)
 
 
+@functools.lru_cache(maxsize=256)
 def make_band(L: int, S: int, is_causal: bool, alignment: str, window) -> Band:
+    """The Band of a call (cached: a decode loop asks for the same few; a Band is immutable)."""
     q_offset = 0 if alignment == "top_left" else S - L
     unbounded = L + S + 1
     left, right = window
@@ -230,6 +243,8 @@ class Problem:
 
 def _canonical(x: np.ndarray, batch: int, dtype: np.dtype) -> np.ndarray:
     """(..., H, N, D) -> C-contiguous (batch, H, N, D) in dtype; copies only when it must."""
+    if x.ndim == 4 and x.dtype == dtype and x.flags.c_contiguous:
+        return x                                 # already canonical (the usual 4-D call)
     return np.ascontiguousarray(x, dtype=dtype).reshape((batch,) + x.shape[-3:])
 
 
@@ -238,7 +253,9 @@ def check_qkv(query, key, value, enable_gqa: bool, fn: str):
     q = as_float_array(query, "query", fn)
     k = as_float_array(key, "key", fn)
     v = as_float_array(value, "value", fn)
-    dtype = check_same_dtype(fn, query=q, key=k, value=v)
+    dtype = q.dtype
+    if not (dtype == k.dtype and dtype == v.dtype):
+        dtype = check_same_dtype(fn, query=q, key=k, value=v)
     if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
         raise ValueError(
             f"{fn}: query, key and value must be at least 2-D (..., L, E), got shapes "
@@ -370,7 +387,7 @@ def make_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     cdt = compute_dtype(in_dtype)
     L, E = q.shape[-2], q.shape[-1]
     S, Ev = k.shape[-2], v.shape[-1]
-    B = int(np.prod(batch_shape, dtype=np.int64)) if batch_shape else 1
+    B = math.prod(batch_shape) if batch_shape else 1
     head_axis = q.ndim >= 3
     p_drop = check_dropout(dropout_p, fn)
 

@@ -41,7 +41,9 @@ def rng():
 
 @pytest.fixture(autouse=True)
 def _no_backend_leak():
-    """A test that sets the process-wide backend must not change the next one."""
+    """A test that sets the process-wide backend must not change the next one. Torn down after
+    the test's monkeypatch has restored the environment: set_backend re-reads it, so a test's
+    FASTATTN_* variables do not stay in effect either."""
     yield
     fa.set_backend(None)
 

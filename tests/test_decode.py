@@ -80,7 +80,9 @@ def test_decode_step_by_step_equals_prefill(backend, rng):
 def test_decode_threads_do_not_change_results(backend, rng, monkeypatch):
     q, k, v = cache(rng, 1, 8, 2, 1, 8000, E=64)
     monkeypatch.setenv("FASTATTN_NUM_THREADS", "1")
+    fa.reload_environment()
     one = fa.scaled_dot_product_attention(q, k, v, enable_gqa=True, backend=backend)
     monkeypatch.setenv("FASTATTN_NUM_THREADS", "2")
+    fa.reload_environment()
     two = fa.scaled_dot_product_attention(q, k, v, enable_gqa=True, backend=backend)
     np.testing.assert_allclose(one, two, rtol=0, atol=1e-6)

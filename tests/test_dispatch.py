@@ -50,6 +50,7 @@ def fakes(monkeypatch):
     monkeypatch.setitem(B.registry, "numba", nb)
     monkeypatch.delenv("FASTATTN_BACKEND", raising=False)
     monkeypatch.delenv("FASTATTN_REQUIRE", raising=False)
+    fa.reload_environment()          # fastattn reads the environment once, not per call
     return cy, nb
 
 
@@ -85,6 +86,7 @@ def test_precedence(monkeypatch, fakes):
     monkeypatch.setattr(B.registry["cython"], "forward", lambda p: (_ for _ in ()).throw(AssertionError("cython used")))
 
     monkeypatch.setenv("FASTATTN_BACKEND", "numpy")
+    fa.reload_environment()
     assert fa.get_backend() == "numpy"
     fa.scaled_dot_product_attention(*small())
     assert numpy_rec.calls == ["forward"]
@@ -119,15 +121,18 @@ def test_unknown_names(monkeypatch):
         with fa.use_backend("fast"):
             pass
     monkeypatch.setenv("FASTATTN_BACKEND", "tpu")
+    fa.reload_environment()
     with pytest.raises(ValueError, match="FASTATTN_BACKEND.*tpu"):
         fa.scaled_dot_product_attention(*small())
 
 
 def test_require_turns_fallback_into_error(monkeypatch, fakes):
     monkeypatch.setenv("FASTATTN_REQUIRE", "cython,numba")
+    fa.reload_environment()
     with pytest.raises(fa.BackendUnavailableError, match="FASTATTN_REQUIRE lists 'numba'.*simulated"):
         fa.scaled_dot_product_attention(*small())
     monkeypatch.setenv("FASTATTN_REQUIRE", "cython")
+    fa.reload_environment()
     fa.scaled_dot_product_attention(*small())
 
 

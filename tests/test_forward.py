@@ -253,7 +253,9 @@ def test_long_keys_cross_many_blocks(backend, rng):
 def test_results_do_not_depend_on_thread_count(backend, rng, monkeypatch):
     q, k, v = qkv(rng, B=1, Hq=3, L=300, S=300, E=32)
     monkeypatch.setenv("FASTATTN_NUM_THREADS", "1")
+    fa.reload_environment()
     one = fa.scaled_dot_product_attention(q, k, v, backend=backend, is_causal=True)
     monkeypatch.setenv("FASTATTN_NUM_THREADS", "2")
+    fa.reload_environment()
     two = fa.scaled_dot_product_attention(q, k, v, backend=backend, is_causal=True)
     np.testing.assert_allclose(one, two, rtol=0, atol=1e-6)

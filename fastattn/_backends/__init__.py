@@ -4,7 +4,7 @@ Which backend serves a call, first match wins:
   1. the call's `backend=` argument
   2. `with fastattn.use_backend(name):` (a contextvar, so threads and tasks don't leak into each other)
   3. `fastattn.set_backend(name)` (process-wide)
-  4. the FASTATTN_BACKEND environment variable
+  4. the FASTATTN_BACKEND environment variable (read once: see fastattn._config)
   5. "auto": the fastest backend that can serve this shape; it never fails for a missing backend
      (numpy is always there)
 
@@ -24,7 +24,7 @@ from .numba_ import NumbaBackend
 from .numpy_ import NumpyBackend
 
 __all__ = ["Backend", "BackendInfo", "BackendUnavailableError", "backends", "get_backend",
-           "set_backend", "use_backend", "resolve", "registry"]
+           "set_backend", "use_backend", "reload_environment", "resolve", "registry"]
 
 registry: dict[str, Backend] = {b.name: b for b in (CythonBackend(), NumbaBackend(), NumpyBackend())}
 assert tuple(registry) == _config.BACKEND_NAMES
@@ -63,9 +63,20 @@ def get_backend() -> str:
 
 
 def set_backend(name: str | None) -> None:
-    """Set the process-wide default backend ("auto", a backend name, or None to clear)."""
+    """Set the process-wide default backend ("auto", a backend name, or None to clear).
+
+    Also re-reads the FASTATTN_* environment variables (see reload_environment)."""
     global _process_choice
     _process_choice = None if name is None else _check_name(name, "set_backend")
+    _config.reload_environment()
+
+
+def reload_environment() -> None:
+    """Re-read FASTATTN_BACKEND, FASTATTN_NUM_THREADS and FASTATTN_REQUIRE.
+
+    fastattn reads them once, at its first call, so that a call does not pay for environment
+    lookups; a program that changes them later calls this (set_backend does it too)."""
+    _config.reload_environment()
 
 
 @contextlib.contextmanager
@@ -81,8 +92,8 @@ def use_backend(name: str):
 def _check_required() -> None:
     """FASTATTN_REQUIRE: fail loudly when a backend that must be there isn't."""
     global _required_checked
-    required = tuple(_config.required_backends())
-    if required == _required_checked:
+    required = _config.settings().require
+    if required is _required_checked:         # the same reading of the environment: checked
         return
     for name in required:
         key = _check_name(name, "FASTATTN_REQUIRE")
