@@ -248,8 +248,22 @@ def _canonical(x: np.ndarray, batch: int, dtype: np.dtype) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=dtype).reshape((batch,) + x.shape[-3:])
 
 
+_FAST_DTYPES = frozenset((np.dtype(np.float32), np.dtype(np.float64)))
+
+
 def check_qkv(query, key, value, enable_gqa: bool, fn: str):
     """Validate q/k/v; returns the arrays, batch shape, heads and sizes."""
+    # The usual call first: three 4-D float32/float64 ndarrays that agree. Anything else (and
+    # every error message) goes through the checks below, in their order.
+    if type(query) is np.ndarray and type(key) is np.ndarray and type(value) is np.ndarray:
+        qs, ks, vs = query.shape, key.shape, value.shape
+        dt = query.dtype
+        if (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and dt in _FAST_DTYPES
+                and key.dtype == dt and value.dtype == dt and qs[0] == ks[0] == vs[0]
+                and qs[3] == ks[3] and ks[1] == vs[1] and ks[2] == vs[2]):
+            Hq, Hkv = qs[1], ks[1]
+            if Hq == Hkv or (enable_gqa and Hkv and Hq % Hkv == 0):
+                return query, key, value, dt, qs[:1], Hq, Hkv
     q = as_float_array(query, "query", fn)
     k = as_float_array(key, "key", fn)
     v = as_float_array(value, "value", fn)
@@ -385,10 +399,11 @@ def make_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     check_alignment(causal_alignment, "causal_alignment", fn)
     win = check_window(window, fn)
     cdt = compute_dtype(in_dtype)
-    L, E = q.shape[-2], q.shape[-1]
+    qs = q.shape
+    L, E = qs[-2], qs[-1]
     S, Ev = k.shape[-2], v.shape[-1]
     B = math.prod(batch_shape) if batch_shape else 1
-    head_axis = q.ndim >= 3
+    head_axis = len(qs) >= 3
     p_drop = check_dropout(dropout_p, fn)
 
     problem = Problem(
@@ -401,11 +416,11 @@ def make_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
         dropout_p=p_drop,
         seed=dropout_seed(rng, fn) if p_drop > 0.0 else 0,
         in_dtype=in_dtype,
-        out_shape=q.shape[:-1] + (Ev,),
-        lse_shape=q.shape[:-1],
+        out_shape=qs[:-1] + (Ev,),
+        lse_shape=qs[:-1],
     )
     if attn_mask is not None:
-        score_shape = q.shape[:-1] + (S,)
+        score_shape = qs[:-1] + (S,)
         m = check_attn_mask(attn_mask, score_shape, fn)
         if m.dtype == np.bool_:
             problem.mask_kind = MASK_BOOL

@@ -57,9 +57,11 @@ def backends() -> dict[str, BackendInfo]:
 
 def get_backend() -> str:
     """The backend name in effect for calls without `backend=` ("auto" unless set)."""
+    name = _context_choice.get() or _process_choice
+    if name:
+        return name
     env = _config.env_backend()
-    return _context_choice.get() or _process_choice or (
-        _check_name(env, "FASTATTN_BACKEND") if env else "auto")
+    return _check_name(env, "FASTATTN_BACKEND") if env else "auto"
 
 
 def set_backend(name: str | None) -> None:
@@ -103,7 +105,7 @@ def _check_required() -> None:
     _required_checked = required
 
 
-def auto_order(problem, op: str) -> list[str]:
+def auto_order(problem, op: str) -> tuple[str, ...]:
     """Backends to try under "auto", fastest first, for this op and shape.
 
     The order comes from side-by-side measurements, recorded in bench/results/auto_order.md:
@@ -112,7 +114,10 @@ def auto_order(problem, op: str) -> list[str]:
     serves every op and shape. The function stays per (problem, op) so a
     shape class that measures differently can get its own order here.
     """
-    return ["cython", "numba", "numpy"]
+    return _AUTO_ORDER
+
+
+_AUTO_ORDER = ("cython", "numba", "numpy")
 
 
 def resolve(problem, op: str, backend=None) -> Backend:

@@ -67,6 +67,8 @@ class Backend:
     def not_supported_reasons(self, problem, op: str) -> list[str]:
         """Plain-words reasons this backend cannot serve `op` for `problem` (empty: it can)."""
         reasons = []
+        if self._loaded and self._error is None and op in self.ops:
+            return reasons                       # loaded and serves op: the per-call case
         if not self.load():
             reasons.append(f"{self.name} is not available ({self._error})")
         if op not in self.ops:
