@@ -161,3 +161,34 @@ def test_readme_section_rewrites_only_between_markers(smoke, tmp_path):
     readme.write_text("no markers\n")
     with pytest.raises(ValueError, match="markers"):
         report.update_readme(str(readme), str(out / "results.json"))
+
+
+def test_latency_preset_plumbing(tmp_path, monkeypatch):
+    """--preset latency end to end on shrunken rows: every row has both implementations' times,
+    the ratio, the limit it is compared to; the decode loop has tokens/s; files are written."""
+    from fastattn.bench import latency
+
+    monkeypatch.setattr(latency, "ROWS", (("tiny call", 1, 1, 1, 16, 8),
+                                          ("GQA decode", 1, 4, 2, 40, 16)))
+    monkeypatch.setattr(latency, "DRAM_BYTES", 1 << 20)
+    monkeypatch.setitem(latency.LOOP, "layers", 2)
+    monkeypatch.setitem(latency.LOOP, "tokens", 4)
+    monkeypatch.setattr(latency, "run", lambda threads, rounds, _run=latency.run: _run(
+        threads, rounds, target_ms=0.05, loop_rounds=1, rows=latency.ROWS))
+    assert bench_cli.main(["--preset", "latency", "--rounds", "2", "--threads", "1",
+                           "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "latency.json") as f:
+        data = json.load(f)
+    assert set(data["bandwidth_gbytes_per_s"]) == {"L2", "L3", "DRAM"}
+    calls, loops = data["records"][:2], data["records"][2:]
+    assert [r["shape"] for r in calls] == [[1, 1, 1, 1, 16, 8], [1, 4, 2, 1, 40, 16]]
+    assert len(loops) == 2
+    has_torch = "torch" in calls[0]
+    for r in calls:
+        assert r["fastattn"]["us_per_call"] > 0 and r["limit"].endswith("bandwidth")
+        assert r["limit_gbytes_per_s"] > 0 and r["fastattn"]["of_limit"] > 0
+        assert ("time_vs_torch" in r) == has_torch
+    for r in loops:
+        assert r["fastattn"]["tokens_per_s"] > 0 and ("time_vs_torch" in r) == has_torch
+    text = (tmp_path / "latency.md").read_text()
+    assert "| row |" in text and "decode loop" in text and "tiny call" in text

@@ -1,4 +1,4 @@
-"""python -m fastattn.bench [--preset quick|full|targets|smoke] [options]
+"""python -m fastattn.bench [--preset quick|full|targets|smoke|latency] [options]
 
 fastattn's backends against torch's CPU SDPA, jax.nn.dot_product_attention and the seed-style
 NumPy code, each measurement in its own process with the same thread count, interleaved, with
@@ -7,6 +7,10 @@ the machine's own sgemm rate and memory bandwidth measured in the same run.
 Writes results.json, results.md and PNG plots to --out (default: bench/out for quick and smoke,
 bench/results for full) and prints the summary table. The README section comes from
 bench/results via `python -m fastattn.bench.report --readme README.md`.
+
+--preset latency is different: microsecond calls (a decode step) and a decode loop, fastattn
+and torch interleaved in one process (fastattn/bench/latency.py); it writes latency.json and
+latency.md to --out (default bench/out).
 """
 from __future__ import annotations
 
@@ -30,9 +34,11 @@ def parse_args(argv):
 
     ap = argparse.ArgumentParser(prog="python -m fastattn.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=list(PRESETS), default="quick",
+    ap.add_argument("--preset", choices=list(PRESETS) + ["latency"], default="quick",
                     help="which cases and how many rounds (default: quick): " + "; ".join(
-                        f"{p.name}: {p.note}" for p in PRESETS.values()))
+                        f"{p.name}: {p.note}" for p in PRESETS.values())
+                    + "; latency: decode-step calls and a decode loop against torch, "
+                    "interleaved in one process (a few minutes)")
     ap.add_argument("--sweeps", nargs="+", metavar="TEXT",
                     help="only sweeps whose name contains one of these, e.g. decode 'fwd d=64'")
     ap.add_argument("--impls", nargs="+", help="implementations to run (default: every one "
@@ -58,6 +64,10 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.preset == "latency":
+        from . import latency
+
+        return latency.main(args.threads, args.rounds, args.out or "bench/out")
     preset = PRESETS[args.preset]
     case_list = [c for c in preset.cases
                  if not args.sweeps or any(s in c.sweep for s in args.sweeps)]
