@@ -9,6 +9,12 @@
 # leaves an unnormalised partial (O, m, l) and dec_merge combines them by log-sum-exp:
 #     M = max_c m_c,  l = sum_c e^(m_c - M) l_c,  out = sum_c e^(m_c - M) O_c / l,  lse = M + log l
 
+cdef extern from "fa_decode1.h" nogil:
+    int fa_decode1_available()
+    void fa_decode1_f_avx512(const float *q, const float *K, ptrdiff_t ldk, const float *V,
+                             ptrdiff_t ldv, ptrdiff_t n, ptrdiff_t E, ptrdiff_t Ev, float scale,
+                             float *m, float *l, float *O, int prefetch)
+
 # Keys per block (tune.dec_bk, default 48): small enough that a block's V (Bk x Ev floats)
 # stays in L1 across the P·V column panels, a multiple of the 12-row key strip so fa_qk never
 # copies a tail strip; the next block's prefetch is spread over the compute (attend_rows'
@@ -34,6 +40,27 @@ cdef void dec_item(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t it, ptrdi
     cdef ptrdiff_t b, hk, r0, rows, r, rr, h, i
     dec_rows(p, g, nrg, Rcap, &b, &hk, &r0, &rows)
     cdef int64_t pmin = p.q_offset + p.L, pmax = p.q_offset - 1
+    cdef int64_t jlo, jhi
+    if floating is float:
+        if rows == 1 and dec_one_row_ok(p):
+            # MHA decode (one row per KV head): fa_decode1.h. Row 0 of KV head hk is query
+            # head hk, position q_offset; the band of one row is the key range [jlo, jhi).
+            set_lane(p, w, dummy, 0, b, hk, 0)
+            w.rows = 1
+            jlo = max(c * chunk, max(<int64_t>0, p.q_offset - p.wl))
+            jhi = min(min((c + 1) * chunk, <int64_t>p.S), p.q_offset + p.wr + 1)
+            (<float *>w.m)[0] = -INFINITY
+            (<float *>w.l)[0] = 0
+            memset(w.O, 0, p.Ev * sizeof(float))
+            if jlo < jhi:
+                fa_decode1_f_avx512(<const float *>p.q + w.orow[0] * p.E,
+                                    <const float *>p.k + ((b * p.Hkv + hk) * p.S + jlo) * p.E,
+                                    p.E,
+                                    <const float *>p.v + ((b * p.Hkv + hk) * p.S + jlo) * p.Ev,
+                                    p.Ev, jhi - jlo, p.E, p.Ev, <float>p.scale,
+                                    <float *>w.m, <float *>w.l, <float *>w.O, p.prefetch)
+            dec_item_done(p, w, dummy, it, rows, nsplit, Rcap, part_O, part_ml)
+            return
     for r in range(rows):
         rr = r0 + r
         h = hk * p.G + rr // p.L
@@ -47,16 +74,29 @@ cdef void dec_item(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t it, ptrdi
     # <= 4 query rows: dot-product scores when the ISA has them (fa_decode_avx512.h)
     cdef bint dot = rows <= 4 and k_has_dot(dummy) and p.tune.dec_use_dot
     start_rows(p, w, dummy, rows, W, pw_nv * vw, dot)
-    cdef int64_t jlo = max(c * chunk, max(<int64_t>0, pmin - p.wl))
-    cdef int64_t jhi = min(min((c + 1) * chunk, <int64_t>p.S), pmax + p.wr + 1)
+    jlo = max(c * chunk, max(<int64_t>0, pmin - p.wl))
+    jhi = min(min((c + 1) * chunk, <int64_t>p.S), pmax + p.wr + 1)
     if jlo < jhi:
         attend_rows(p, w, dummy, b, hk, jlo, jhi, pmin, pmax, p.msh == 0 and p.msi == 0)
+    dec_item_done(p, w, dummy, it, rows, nsplit, Rcap, part_O, part_ml)
+
+
+cdef inline bint dec_one_row_ok(AttnProblem *p) noexcept nogil:
+    """fa_decode1.h serves this call: float32 on AVX-512, scores with no modifier."""
+    return (fa_decode1_available() and p.tune.dec_use_dot and p.mask_kind == 0
+            and p.softcap == 0 and not p.has_alibi and not p.has_dropout)
+
+
+cdef void dec_item_done(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t it, ptrdiff_t rows,
+                        ptrdiff_t nsplit, ptrdiff_t Rcap, floating *part_O,
+                        floating *part_ml) noexcept nogil:
+    """The item's rows are attended: finish them, or park the partials for dec_merge."""
     if nsplit == 1:
         finish_rows(p, w, dummy)
         return
+    cdef ptrdiff_t r, cc
     cdef floating *O = <floating *>w.O
     cdef floating *dst
-    cdef ptrdiff_t cc
     for r in range(rows):
         dst = part_O + (it * Rcap + r) * p.Ev
         for cc in range(p.Ev):
@@ -140,9 +180,9 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
     cdef ptrdiff_t n_groups = p.B * p.Hkv * nrg, it, g
     if n_groups == 0:
         return 0
+    # The caller chooses the threads by the bytes the call reads (fastattn/_backends/
+    # _compiled.py, decode_threads): a small call arrives with n_threads = 1.
     cdef int nt = resolve_threads(p.n_threads, 1 << 30)
-    if <double>p.B * p.Hq * p.L * p.S * (p.E + p.Ev) * 2 < 8e6:
-        nt = 1                                   # see run_forward
     # Enough items for the dynamic schedule to even out (the machines are shared: a thread
     # that gets descheduled should leave little behind), but chunks of >= DEC_MIN_CHUNK keys.
     cdef ptrdiff_t nsplit = 1

@@ -86,3 +86,30 @@ def test_decode_threads_do_not_change_results(backend, rng, monkeypatch):
     fa.reload_environment()
     two = fa.scaled_dot_product_attention(q, k, v, enable_gqa=True, backend=backend)
     np.testing.assert_allclose(one, two, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("E,Ev", [(8, 8), (33, 17), (64, 64), (128, 200), (144, 64)])
+@pytest.mark.parametrize("S", [1, 15, 64, 65, 1000, 2500])
+def test_mha_decode_one_row_per_head(backend, rng, E, Ev, S):
+    """Hq = Hkv, L = 1 (cython: the one-row kernel, fa_decode1.h): head dims with vector tails
+    and above 128 (its long path), cache lengths around its 16-key groups and 64-key blocks,
+    split over threads or not, and a band cutting the keys."""
+    q, k, v = cache(rng, 2, 12, 12, 1, S, E=E, Ev=Ev)
+    check_sdpa(q, k, v, backend)
+    check_sdpa(q, k, v, backend, is_causal=True, causal_alignment="bottom_right",
+               window=(S // 3, 0))
+
+
+def test_mha_decode_extreme_scores_and_nan(backend, rng):
+    """Large logits (the running max moves block to block, tiny weights elsewhere), and a NaN
+    key in one head: the other heads are untouched by it."""
+    q, k, v = cache(rng, 1, 4, 4, 1, 700, E=64)
+    k[:, :, 300:310] *= 40.0
+    check_sdpa(q * 3.0, k, v, backend)
+    k[0, 1, 5, 0] = np.nan
+    out = fa.scaled_dot_product_attention(q, k, v, backend=backend)
+    keep = [0, 2, 3]
+    check_sdpa(q[:, keep], k[:, keep], v[:, keep], backend)
+    np.testing.assert_array_equal(
+        out[:, keep], fa.scaled_dot_product_attention(q[:, keep], k[:, keep], v[:, keep],
+                                                      backend=backend))

@@ -32,6 +32,17 @@ class CompiledBackend(Backend):
     # set by _load: kernel(args, out, lse), kernel(args, dout, out, lse, dq, dk, dv, dsinks),
     # softmax_rows(x, mask_kind, mask, out, n_threads)
     _forward_kernel = _decode_kernel = _backward_kernel = _softmax_kernel = None
+    # Decode reading fewer K/V bytes than this runs on the calling thread (the record's
+    # n_threads = 1): waking the pool costs more than the second thread saves. None: the
+    # kernels choose (see decode_threads).
+    serial_decode_bytes: int | None = None
+
+    def decode_threads(self, p, n_threads: int) -> int:
+        """Threads for a decode call: all of them, unless the K/V it reads are few."""
+        if self.serial_decode_bytes is None or n_threads == 1:
+            return n_threads
+        k, v = p.k, p.v
+        return 1 if k.nbytes + v.nbytes < self.serial_decode_bytes else n_threads
 
     def not_supported_reasons(self, problem, op):
         reasons = super().not_supported_reasons(problem, op)
@@ -42,8 +53,11 @@ class CompiledBackend(Backend):
 
     def forward(self, p):
         out, lse = forward_outputs(p)
-        kernel = self._decode_kernel if use_decode(p) else self._forward_kernel
-        args = kernel_args(p, _config.num_threads())
+        if use_decode(p):
+            kernel, n = self._decode_kernel, self.decode_threads(p, _config.num_threads())
+        else:
+            kernel, n = self._forward_kernel, _config.num_threads()
+        args = kernel_args(p, n)
         _process.note_pool_used()
         kernel(args, out, lse)
         return out, lse

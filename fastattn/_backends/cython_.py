@@ -33,6 +33,9 @@ def _import_kernels():
 
 class CythonBackend(CompiledBackend):
     name = "cython"
+    # Below ~1 MiB of K/V (GPT-2-small decode up to ~170 keys) one thread finishes before a
+    # woken pool thread has started: measured in bench/results/latency.md (MHA decode rows).
+    serial_decode_bytes = 1 << 20
 
     def _load(self) -> None:
         self._k = k = _import_kernels()
