@@ -563,21 +563,21 @@ def backward(args, const floating[:, :, :, ::1] dout, const floating[:, :, :, ::
     if p.has_sinks and dsinks.shape[0] != p.Hq:
         raise ValueError(f"attention backward: dsinks ({dsinks.shape[0]},), expected "
                          f"({p.Hq},)")
-    if dq.size:
-        memset(&dq[0, 0, 0, 0], 0, dq.size * sizeof(floating))
-    if dk.size:
-        memset(&dk[0, 0, 0, 0], 0, dk.size * sizeof(floating))
-    if dv.size:
-        memset(&dv[0, 0, 0, 0], 0, dv.size * sizeof(floating))
-    if dsinks.size:
-        memset(&dsinks[0], 0, dsinks.size * sizeof(floating))
+    if mv_size(dq.shape, 4):
+        memset(&dq[0, 0, 0, 0], 0, mv_size(dq.shape, 4) * sizeof(floating))
+    if mv_size(dk.shape, 4):
+        memset(&dk[0, 0, 0, 0], 0, mv_size(dk.shape, 4) * sizeof(floating))
+    if mv_size(dv.shape, 4):
+        memset(&dv[0, 0, 0, 0], 0, mv_size(dv.shape, 4) * sizeof(floating))
+    if mv_size(dsinks.shape, 1):
+        memset(&dsinks[0], 0, mv_size(dsinks.shape, 1) * sizeof(floating))
     if p.B * p.Hq * p.L == 0 or p.S == 0:
         return
-    a.dout = <const char *>&dout[0, 0, 0, 0] if dout.size else NULL
+    a.dout = <const char *>&dout[0, 0, 0, 0] if mv_size(dout.shape, 4) else NULL
     a.flse = <const char *>&lse[0, 0, 0]
-    a.dq = <char *>&dq[0, 0, 0, 0] if dq.size else NULL
-    a.dk = <char *>&dk[0, 0, 0, 0] if dk.size else NULL
-    a.dv = <char *>&dv[0, 0, 0, 0] if dv.size else NULL
+    a.dq = <char *>&dq[0, 0, 0, 0] if mv_size(dq.shape, 4) else NULL
+    a.dk = <char *>&dk[0, 0, 0, 0] if mv_size(dk.shape, 4) else NULL
+    a.dv = <char *>&dv[0, 0, 0, 0] if mv_size(dv.shape, 4) else NULL
     a.dsinks = <char *>&dsinks[0] if p.has_sinks else NULL
     a.rowsink = NULL
     cdef int rc

@@ -240,7 +240,7 @@ def decode(args, floating[:, :, :, ::1] out, floating[:, :, ::1] lse):
     fill_problem(&p, args, <floating *>NULL, out.shape, lse.shape)
     if p.B * p.Hq * p.L == 0:
         return
-    p.out = <char *>&out[0, 0, 0, 0] if out.size else NULL
+    p.out = <char *>&out[0, 0, 0, 0] if mv_size(out.shape, 4) else NULL
     p.lse = <char *>&lse[0, 0, 0]
     cdef int rc
     with nogil:

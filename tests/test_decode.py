@@ -102,12 +102,13 @@ def test_mha_decode_one_row_per_head(backend, rng, E, Ev, S):
 
 def test_mha_decode_extreme_scores_and_nan(backend, rng):
     """Large logits (the running max moves block to block, tiny weights elsewhere), and a NaN
-    key in one head: the other heads are untouched by it."""
+    key in one head: that head's row is NaN (the NaN rule), the other heads are untouched."""
     q, k, v = cache(rng, 1, 4, 4, 1, 700, E=64)
     k[:, :, 300:310] *= 40.0
     check_sdpa(q * 3.0, k, v, backend)
     k[0, 1, 5, 0] = np.nan
     out = fa.scaled_dot_product_attention(q, k, v, backend=backend)
+    assert np.isnan(out[0, 1]).all()
     keep = [0, 2, 3]
     check_sdpa(q[:, keep], k[:, keep], v[:, keep], backend)
     np.testing.assert_array_equal(
