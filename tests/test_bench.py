@@ -175,8 +175,14 @@ def test_latency_preset_plumbing(tmp_path, monkeypatch):
     monkeypatch.setitem(latency.LOOP, "tokens", 4)
     monkeypatch.setattr(latency, "run", lambda threads, rounds, _run=latency.run: _run(
         threads, rounds, target_ms=0.05, loop_rounds=1, rows=latency.ROWS))
-    assert bench_cli.main(["--preset", "latency", "--rounds", "2", "--threads", "1",
-                           "--out", str(tmp_path)]) == 0
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{report.START}\nold\n{report.END}\n\n## next\n")
+    for _ in range(2):           # the second run replaces the section the first one added
+        assert bench_cli.main(["--preset", "latency", "--rounds", "2", "--threads", "1",
+                               "--out", str(tmp_path), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.count(latency.START) == 1 and text.index(report.END) < text.index(latency.START)
+    assert text.index(latency.END) < text.index("## next") and "| tiny call" in text
     with open(tmp_path / "latency.json") as f:
         data = json.load(f)
     assert set(data["bandwidth_gbytes_per_s"]) == {"L2", "L3", "DRAM"}

@@ -10,7 +10,7 @@ bench/results via `python -m fastattn.bench.report --readme README.md`.
 
 --preset latency is different: microsecond calls (a decode step) and a decode loop, fastattn
 and torch interleaved in one process (fastattn/bench/latency.py); it writes latency.json and
-latency.md to --out (default bench/out).
+latency.md to --out (default bench/out) and with --readme its table into README.md.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     if args.preset == "latency":
         from . import latency
 
-        return latency.main(args.threads, args.rounds, args.out or "bench/out")
+        return latency.main(args.threads, args.rounds, args.out or "bench/out", args.readme)
     preset = PRESETS[args.preset]
     case_list = [c for c in preset.cases
                  if not args.sweeps or any(s in c.sweep for s in args.sweeps)]

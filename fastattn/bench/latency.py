@@ -241,7 +241,27 @@ def markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(threads: int, rounds: int | None, out_dir: str) -> int:
+START, END = "<!-- latency:start -->", "<!-- latency:end -->"
+
+
+def update_readme(readme: str, text: str) -> None:
+    """Put `text` between the latency markers of README (after the benchmark section the first
+    time), so the README's latency table is always a run's output, never typed."""
+    with open(readme) as f:
+        old = f.read()
+    block = f"{START}\n{text}{END}"
+    if START in old and END in old:
+        new = old[:old.index(START)] + block + old[old.index(END) + len(END):]
+    else:
+        from .report import END as BENCH_END
+        at = old.index(BENCH_END) + len(BENCH_END)
+        new = old[:at] + "\n\n### Latency: the per-token loop\n\n" + block + old[at:]
+    if new != old:
+        with open(readme, "w") as f:
+            f.write(new)
+
+
+def main(threads: int, rounds: int | None, out_dir: str, readme: str | None = None) -> int:
     data = run(threads, rounds or 15)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "latency.json"), "w") as f:
@@ -249,5 +269,7 @@ def main(threads: int, rounds: int | None, out_dir: str) -> int:
     text = markdown(data)
     with open(os.path.join(out_dir, "latency.md"), "w") as f:
         f.write(text)
+    if readme:
+        update_readme(readme, text)
     print(text)
     return 0
