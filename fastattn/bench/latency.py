@@ -199,7 +199,8 @@ def run(threads: int, rounds: int = 15, target_ms: float = 20.0, loop_rounds: in
         torch.set_num_threads(threads)
     caches = _cache_sizes()
     meta = describe(threads, ["--preset", "latency"])
-    meta.update(preset="latency", rounds=rounds, caches=caches)
+    meta.update(preset="latency", rounds=rounds, caches=caches,
+                omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "unset"))
     bw = measure_bandwidth(caches, threads, 0.3 if rows is None else 0.01)
     records = [_row(*r, torch, rounds, target_ms / 1e3, caches, bw, threads)
                for r in (ROWS if rows is None else rows)]
@@ -221,7 +222,10 @@ def markdown(data: dict) -> str:
         f"float32, auto backend; fastattn and torch interleaved in one process, {m['rounds']} "
         f"rounds, medians (ratio = median of the per-round time ratios, < 1: fastattn faster). "
         f"Read bandwidth measured in the run: {bw}. Load average start/end "
-        f"{m.get('load_average_start')} / {m.get('load_average_end')} (a shared machine).",
+        f"{m.get('load_average_start')} / {m.get('load_average_end')} (a shared machine). "
+        f"OMP_WAIT_POLICY={m.get('omp_wait_policy')}: both libraries' OpenMP pools share this "
+        f"process; with torch's libgomp spinning after its calls (its default) on a loaded "
+        f"machine, 2-thread calls of either library waited milliseconds for a core.",
         "",
         "| row | fastattn | torch | time vs torch | limit | fastattn % of limit |",
         "|---|---:|---:|---:|---|---:|",
