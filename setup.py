@@ -24,7 +24,10 @@ REQUIRE_EXT = os.environ.get("FASTATTN_REQUIRE_EXT", "") == "1"
 # vectorizable. Deliberately NOT -ffast-math (gcc < 13 links crtfastmath.o into shared objects
 # -> FTZ/DAZ for the whole process; finite-math-only breaks the -inf masks) and NOT
 # -march=native (wheels run elsewhere; csrc/fa_kernels.h picks AVX2/AVX-512 copies at run time).
-UNIX_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast"]
+# -Werror=incompatible-pointer-types: the fused op declarations of csrc/common.pxi must reach
+# the float table for float and the double table for double (csrc/fa_ops.h)
+UNIX_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast",
+              "-Werror=incompatible-pointer-types"]
 MSVC_FLAGS = ["/O2", "/fp:precise"]
 
 OPENMP_PROBE = textwrap.dedent("""

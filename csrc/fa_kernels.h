@@ -1,9 +1,8 @@
 /*
  * fa_kernels.h -- instantiates fa_kern_impl.h per (ISA, dtype) and picks one at run time.
  *
- * Wheels must run on any x86-64 (no -march=native), yet the AVX-512 copy is ~2x the AVX2
- * one on this Sapphire Rapids box (measured FMA peak per core: 136 GF/s zmm vs 70 GF/s ymm).
- * So the same source is compiled three times with function-level target attributes and
+ * Wheels must run on any x86-64 (no -march=native), yet wider vectors pay off where the CPU
+ * has them (zmm FMAs do twice the work of ymm ones).  So the same source is compiled three times with function-level target attributes and
  * fa_select() chooses by CPUID (__builtin_cpu_supports also checks that the OS saves the
  * zmm/ymm state).  FASTATTN_SIMD=generic|avx2|avx512 forces a level (tests use it to run
  * every copy this CPU can execute).
@@ -17,57 +16,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include "fa_exp.h"
+#include "fa_dropout.h"
+#include "fa_ops.h"
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #endif
 
 #define FA_STR_(x) #x
 #define FA_STR(x) FA_STR_(x)
-
-#define FA_DECLARE_OPS(TS, T)                                                               \
-typedef struct {                                                                            \
-    int vw, mr, nv;                                                                         \
-    const char *name;                                                                       \
-    void (*qk)(const T *K, ptrdiff_t ldk, ptrdiff_t n, ptrdiff_t E, const T *Qt,            \
-               ptrdiff_t W, int pw_nv, T *S, ptrdiff_t lds, T *cmax, T *kpad, T scale);     \
-    void (*colmax)(const T *S, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, T *cmax);           \
-    void (*softmax)(T *S, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, const T *cmax, T *m,     \
-                    T *l, T *alpha);                                                        \
-    void (*pv)(const T *P, ptrdiff_t ldp, ptrdiff_t n, const T *V, ptrdiff_t ldv,           \
-               ptrdiff_t Ev, T *O, ptrdiff_t ldo, const T *alpha, ptrdiff_t rows);          \
-    void (*pv_exact)(const T *P, ptrdiff_t ldp, ptrdiff_t n, const T *V, ptrdiff_t ldv,     \
-                     ptrdiff_t Ev, T *O, ptrdiff_t ldo, const T *alpha, ptrdiff_t rows);    \
-    int (*allfinite)(const T *x, ptrdiff_t n);                                              \
-    void (*softcap)(T *S, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, T cap);                  \
-    void (*alibi)(T *S, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, int64_t j0,                \
-                  const int64_t *pos, const T *slope);                                      \
-    void (*maskf)(T *S, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, int64_t j0, const T *M,    \
-                  const int64_t *moff, int64_t msj, int uniform);                           \
-    void (*maskb)(T *S, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, int64_t j0,                \
-                  const uint8_t *M, const int64_t *moff, int64_t msj, int uniform);         \
-    void (*window)(T *S, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, int64_t j0,               \
-                   const int64_t *pos, int64_t wl, int64_t wr);                             \
-    void (*dropout)(T *P, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, int64_t j0,              \
-                    const uint32_t *rk, uint32_t thresh);                                   \
-    void (*softmax_row)(const T *x, const uint8_t *mask, T *out, ptrdiff_t n);              \
-    /* optional: scores for <= 4 query rows by dot products (decode); NULL = use qk */       \
-    void (*qk_dot)(const T *K, ptrdiff_t ldk, ptrdiff_t n, ptrdiff_t E, const T *Qr,        \
-                   ptrdiff_t ldq, int R, T *S, ptrdiff_t lds, T scale);                     \
-    /* backward (tiles with row stride FA_BWD_LDS) */                                       \
-    void (*qkt)(const T *Kt, ptrdiff_t ldkt, ptrdiff_t n, ptrdiff_t E, const T *Qt,         \
-                ptrdiff_t W, int pw_nv, T *S, T scale);                                     \
-    void (*bwd_p)(T *S, const T *dP, ptrdiff_t n, ptrdiff_t W, const T *lse, double *acc);  \
-    void (*bwd_ds)(T *S, T *dP, const T *G, ptrdiff_t n, ptrdiff_t W, const T *invZ,         \
-                   const double *D);                                                        \
-    void (*ptq)(const T *Tl, ptrdiff_t n, ptrdiff_t ni, const T *X, ptrdiff_t ldx,          \
-                ptrdiff_t C, T *O, ptrdiff_t ldo);                                          \
-    void (*softcap_grad)(T *S, T *G, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, T cap);       \
-    void (*dropout_scale)(T *P, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W, int64_t j0,        \
-                          const uint32_t *rk, uint32_t thresh, T keep_scale);               \
-    void (*transpose)(const T *src, ptrdiff_t lds, ptrdiff_t R, ptrdiff_t C, T *dst,         \
-                      ptrdiff_t ldd);                                                       \
-    void (*scale_row)(const T *x, T *out, ptrdiff_t n, double s);                          \
-} fa_ops_##TS;
 
 /* Row stride (elements) of the backward's score tiles: a compile-time constant so that the
  * column broadcasts of fa_ptq and fa_qkt's stores are displacements from one register.  Holds
@@ -164,9 +120,8 @@ FA_DECLARE_OPS(d, double)
 #define FA_ISF 1
 #define FA_VW 16
 #define FA_SFX f_avx512
-#define FA_QK_DOT fa_qk_dot_f_avx512
+#define FA_OPT_qk_dot fa_qk_dot_f_avx512
 #include "fa_kern_impl.h"
-#undef FA_QK_DOT
 #undef FA_HWMAX
 #undef FA_HWSCALEF
 #undef FA_HWCVTLO
@@ -230,24 +185,24 @@ static int fa_select(int want)
 }
 
 static const char *fa_ops_name(void) { return FA_OPS_F->name; }
+
+/* Geometry of the selected copy for the Cython side: 0 lanes per vector, 1 rows per tile,
+ * 2 vectors per tile row, 3 whether it has qk_dot. */
+static inline int fa_geometry(int is_float, int which)
+{
+    if (is_float)
+        return which == 0 ? FA_OPS_F->vw : which == 1 ? FA_OPS_F->mr : which == 2 ? FA_OPS_F->nv
+                                                                    : FA_OPS_F->qk_dot != NULL;
+    return which == 0 ? FA_OPS_D->vw : which == 1 ? FA_OPS_D->mr : which == 2 ? FA_OPS_D->nv
+                                                                : FA_OPS_D->qk_dot != NULL;
+}
 /* Prefetch [p, p + bytes) toward L2.  attend_rows issues it for the NEXT key block (K and V
  * rows of consecutive keys are contiguous) while the current one is computed: the decode
- * path streams K/V from DRAM and was stalling on it (125 ns per key -> see NOTES.md). */
+ * path streams K/V from DRAM and stalls on it otherwise. */
 static inline void fa_prefetch(const void *p, ptrdiff_t bytes)
 {
     const char *c = (const char *)p;
     for (ptrdiff_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);
-}
-
-/* dropout hash of the kernel spec (all arithmetic mod 2^32) */
-static inline uint32_t fa_mix32(uint32_t x)
-{
-    x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; x ^= x >> 16;
-    return x;
-}
-static inline uint32_t fa_row_key(uint32_t seed, uint32_t bh, uint32_t i)
-{
-    return fa_mix32(fa_mix32(seed ^ fa_mix32(bh)) + i);
 }
 
 /* set from os.register_at_fork(after_in_child=...): libgomp's thread pool does not survive

@@ -333,7 +333,7 @@ cdef int run_forward(AttnProblem *p, floating *dummy) noexcept nogil:
     if n_items == 0:
         return 0
     cdef int nt = resolve_threads(p.n_threads, n_items)
-    # below ~8 MFLOP (~60 us on one core) waking a second thread costs more than it saves
+    # below ~8 MFLOP waking a second thread costs more than it saves
     cdef double band = <double>min(p.S, p.wl + p.wr + 1)
     if <double>p.B * p.Hq * p.L * band * (p.E + p.Ev) * 2 < 8e6:
         nt = 1

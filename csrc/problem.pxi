@@ -5,7 +5,7 @@
 # Backward: keep a block's tiles between the sweeps while they take at most this many bytes per
 # thread (a band of ~18k keys in float32); longer bands recompute S and dP in sweep 2 (7 tile
 # GEMMs instead of 5), so the bound caps memory (keeping was the faster of the two wherever it
-# was measured: bench/results/).
+# was measured: bench/results/cython_kernels.md).
 cdef enum:
     BWD_KEEP_BYTES = 16 << 20
 
