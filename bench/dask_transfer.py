@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     import fastattn.dask as fad
 
     cluster = LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
-                           dashboard_address=None)
+                           dashboard_address=":0")
     client = Client(cluster)
     try:
         shape = (1, args.heads, args.tokens, args.head_dim)
@@ -101,7 +101,7 @@ def scaling(args) -> int:
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(3))
     clusters = {n: LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
-                                dashboard_address=None) for n in (1, 2)}
+                                dashboard_address=":0") for n in (1, 2)}
     clients = {n: Client(c, set_as_default=False) for n, c in clusters.items()}
     chunks = (1, args.heads, args.chunk, args.head_dim)
     try:

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
         client = Client(args.scheduler)
     else:
         cluster = LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
-                               dashboard_address=None)
+                               dashboard_address=":0")
         client = Client(cluster)
     try:
         shape = (1, args.heads, args.tokens, args.head_dim)

@@ -389,6 +389,6 @@ def varlen_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seql
             dsinks = grads[3] if dsinks is None else dsinks + grads[3]
     if sinks is not None:
         if dsinks is None:
-            dsinks = np.zeros(np.shape(sinks), q.dtype)
+            dsinks = np.zeros(np.shape(sinks), np.asarray(sinks).dtype)
         return dq, dk, dv, dsinks
     return dq, dk, dv

@@ -25,7 +25,7 @@ fad = pytest.importorskip("fastattn.dask")
 @pytest.fixture(scope="module")
 def client():
     cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                       dashboard_address=None, silence_logs=40)
+                                       dashboard_address=":0", silence_logs=40)
     with distributed.Client(cluster) as c:
         yield c
     cluster.close()
