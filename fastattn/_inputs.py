@@ -5,6 +5,7 @@ so a backend only ever sees C-contiguous float32/float64 arrays and plain scalar
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -48,6 +49,17 @@ def describe(x) -> str:
     return f"{type(x).__name__} {x!r}"[:120]
 
 
+def native_byte_order(arr: np.ndarray) -> np.ndarray:
+    """arr in the machine's byte order (a converted copy only for a non-native one).
+
+    A big-endian file read with np.load gives '>f4' arrays: the same numbers, which the kernels
+    (and the dtype rules) only know in native order.
+    """
+    if arr.dtype.isnative:
+        return arr
+    return arr.astype(arr.dtype.newbyteorder("="))
+
+
 def as_float_array(x, name: str, fn: str) -> np.ndarray:
     """x as an ndarray of a supported float dtype, or TypeError naming the argument."""
     if isinstance(x, np.ndarray):
@@ -57,6 +69,8 @@ def as_float_array(x, name: str, fn: str) -> np.ndarray:
             arr = np.asarray(x)
         except Exception as exc:  # ragged lists and the like
             raise TypeError(f"{fn}: {name} must be an array of floats, got {describe(x)} ({exc})") from None
+    if not arr.dtype.isnative:
+        arr = native_byte_order(arr)
     if compute_dtype(arr.dtype) is None:
         raise TypeError(
             f"{fn}: {name} must have a float dtype (float16, bfloat16, float32 or float64), "
@@ -87,17 +101,34 @@ def _real(x, name: str, fn: str) -> float:
     return float(x)
 
 
-def check_scale(scale, head_dim: int, fn: str) -> float:
+def check_scale(scale, head_dim: int, fn: str, dtype=None) -> float:
+    """The score scale: any finite number (torch's rule: negative and zero scales are allowed).
+
+    With `dtype` (the compute dtype), a scale beyond its range is rejected: it would be inf in the
+    kernels, and inf * 0 = NaN, inf * x = +-inf, not the answer the math gives.
+    """
     if scale is None:
         # 1/sqrt(E) as in torch; E == 0 has no meaningful default, every score is 0 anyway.
         return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     value = _real(scale, "scale", fn)
-    if not math.isfinite(value) or value <= 0.0:
-        raise ValueError(f"{fn}: scale must be a finite number > 0, got {scale!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{fn}: scale must be a finite number, got {scale!r}")
+    if dtype is not None:
+        top = float(np.finfo(dtype).max)
+        if abs(value) > top:
+            raise ValueError(
+                f"{fn}: scale={scale!r} is beyond the range of the compute dtype "
+                f"{np.dtype(dtype).name} (max {top:.6g})")
     return value
 
 
-def check_softcap(softcap, fn: str) -> float:
+def check_softcap(softcap, fn: str, dtype=None) -> float:
+    """The softcap (0.0 = off), any finite number > 0 the compute dtype `dtype` can hold.
+
+    s / softcap must stay finite-divisible: a softcap below the dtype's smallest normal number
+    rounds to 0 or a subnormal in the kernels (division by zero, or 1/softcap = inf), and one
+    above its max is inf (inf * tanh(s / inf) = NaN). Both are rejected, naming the range.
+    """
     if softcap is None:
         return 0.0
     value = _real(softcap, "softcap", fn)
@@ -105,6 +136,13 @@ def check_softcap(softcap, fn: str) -> float:
         return 0.0
     if not math.isfinite(value) or value < 0.0:
         raise ValueError(f"{fn}: softcap must be None, 0 or a finite number > 0, got {softcap!r}")
+    if dtype is not None:
+        info = np.finfo(dtype)
+        if not float(info.tiny) <= value <= float(info.max):
+            raise ValueError(
+                f"{fn}: softcap={softcap!r} is outside the range of the compute dtype "
+                f"{np.dtype(dtype).name}: it must be in [{float(info.tiny):.6g}, "
+                f"{float(info.max):.6g}] (or None/0 for no softcap)")
     return value
 
 
@@ -127,6 +165,24 @@ def dropout_seed(rng, fn: str) -> int:
         # SeedSequence spreads any int (also > 2**32) over the 32 bits the hash uses.
         return int(np.random.SeedSequence(int(rng)).generate_state(1, np.uint32)[0])
     raise TypeError(f"{fn}: rng must be None, an int seed or a numpy.random.Generator, got {describe(rng)}")
+
+
+def check_backward_rng(dropout_p, rng, fn: str) -> None:
+    """The backward regenerates the forward's dropout mask from its seed: it needs that seed.
+
+    rng=None would draw a fresh seed (the gradients of another mask, silently), and a Generator
+    would draw a seed from its current state, which is the forward's only if the caller rewound
+    it exactly; both are refused, asking for the int seed the forward was given.
+    """
+    if check_dropout(dropout_p, fn) == 0.0:
+        return
+    if isinstance(rng, (numbers.Integral, np.integer)) and not isinstance(rng, (bool, np.bool_)):
+        return
+    got = "None" if rng is None else describe(rng)
+    raise ValueError(
+        f"{fn}: with dropout_p > 0 the backward needs rng = the int seed the forward was called "
+        f"with (the kept weights are regenerated from it), got rng={got}; call the forward with "
+        f"an int seed, e.g. rng=1234, and pass the same int here")
 
 
 def check_alignment(alignment, name: str, fn: str) -> str:
@@ -314,7 +370,16 @@ def check_qkv(query, key, value, enable_gqa: bool, fn: str):
 
 def check_attn_mask(attn_mask, score_shape: tuple, fn: str, name: str = "attn_mask"):
     """An ndarray for attn_mask (bool or float) that broadcasts to score_shape."""
-    m = attn_mask if isinstance(attn_mask, np.ndarray) else np.asarray(attn_mask)
+    if isinstance(attn_mask, np.ndarray):
+        m = attn_mask
+    else:
+        try:
+            m = np.asarray(attn_mask)
+        except Exception as exc:  # ragged lists and the like
+            raise TypeError(f"{fn}: {name} must be an array (bool or float), got "
+                            f"{describe(attn_mask)} ({exc})") from None
+    if not m.dtype.isnative:
+        m = native_byte_order(m)
     if m.dtype == np.bool_:
         pass
     elif compute_dtype(m.dtype) is None:
@@ -386,6 +451,26 @@ def check_sinks(sinks, Hq: int, dtype, fn: str) -> np.ndarray:
     return np.ascontiguousarray(s, dtype=dtype)
 
 
+def for_kernels(p: Problem) -> tuple[Problem, float | None]:
+    """The problem as the kernels take it: scale > 0 (they fold it into the softmax's max).
+
+    Any finite scale is allowed (torch's rule); the others are rewritten without changing a
+    score bit: for scale < 0, (-q) and |scale| (negation is exact, so every score is the same
+    float as scale * q.k); for a scale that is 0 in the compute dtype, q * 0.0 and scale 1 (every
+    score 0, and NaN/Inf in q still make NaN, as 0 * inf does). Returns (problem, dq_factor):
+    the backward's dq w.r.t. the rewritten q times dq_factor is the gradient w.r.t. q (None:
+    the problem is unchanged, the usual case).
+    """
+    s = p.dtype.type(p.scale)
+    if s > 0:
+        return p, None
+    if s < 0:
+        return dataclasses.replace(p, q=np.negative(p.q), scale=-p.scale), -1.0
+    with np.errstate(invalid="ignore"):          # inf * 0 = NaN is the point here
+        q0 = p.q * p.dtype.type(0.0)
+    return dataclasses.replace(p, q=q0, scale=1.0), 0.0
+
+
 def make_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                  enable_gqa=False, *, causal_alignment="top_left", window=None, softcap=None,
                  alibi_slopes=None, sinks=None, rng=None,
@@ -410,9 +495,9 @@ def make_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
         q=_canonical(q if head_axis else q[None], B, cdt),
         k=_canonical(k if head_axis else k[None], B, cdt),
         v=_canonical(v if head_axis else v[None], B, cdt),
-        scale=check_scale(scale, E, fn),
+        scale=check_scale(scale, E, fn, cdt),
         band=make_band(L, S, bool(is_causal), causal_alignment, win),
-        softcap=check_softcap(softcap, fn),
+        softcap=check_softcap(softcap, fn, cdt),
         dropout_p=p_drop,
         seed=dropout_seed(rng, fn) if p_drop > 0.0 else 0,
         in_dtype=in_dtype,

@@ -12,8 +12,9 @@ import numpy as np
 
 from . import _backends
 from ._backends.numpy_ import safe_matmul
-from ._inputs import (as_float_array, check_same_dtype, check_scale, compute_dtype, describe,
-                      lse_dtype, make_problem)
+from ._inputs import (as_float_array, check_backward_rng, check_same_dtype, check_scale,
+                      compute_dtype, describe, for_kernels, lse_dtype, make_problem,
+                      native_byte_order)
 
 __all__ = ["scaled_dot_product_attention", "scaled_dot_product_attention_backward", "merge_attention", "softmax", "attention", "multihead",
            "split_heads", "merge_heads"]
@@ -43,7 +44,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         Which weights are kept is a hash of (seed, batch*head, i, j): the same in every backend.
     is_causal : query i attends keys j <= i (top-left, torch) or j <= i + S - L
         (causal_alignment="bottom_right", flash-attn / KV-cache decoding). Combines with attn_mask.
-    scale : multiplier of Q K^T, default 1/sqrt(E).
+    scale : multiplier of Q K^T, default 1/sqrt(E). Any finite number, as in torch: negative
+        scales flip the scores, 0 gives uniform weights over the attended keys. A scale beyond
+        the compute dtype's range (|scale| > 3.4e38 for float32/float16) raises ValueError.
     enable_gqa : allow Hq != Hkv (Hq % Hkv == 0); query head h reads kv head h // (Hq // Hkv).
     causal_alignment : "top_left" or "bottom_right"; also aligns `window` and `alibi_slopes`.
     window : (left, right) sliding window around each query's aligned position; None/-1 unbounded.
@@ -55,7 +58,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         dropout. -inf = no sink for that head; a NaN (or +inf) sink makes its head's rows NaN.
     return_lse : also return the log-sum-exp of the scores (and the sink), shape (..., Hq, L),
         float32 (float64 for float64 input), natural log, -inf for rows with no key and no sink.
-    rng : int seed or numpy Generator for dropout (use the same int seed in the backward).
+    rng : int seed or numpy Generator for dropout. The backward needs the forward's int seed, so
+        pass an int when you will differentiate (a Generator draws a seed nobody sees).
     backend : "auto" (default), "cython", "numba" or "numpy".
 
     Returns
@@ -66,6 +70,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     p = make_problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                      causal_alignment=causal_alignment, window=window, softcap=softcap,
                      alibi_slopes=alibi_slopes, sinks=sinks, rng=rng)
+    p = for_kernels(p)[0]        # scale <= 0 rewritten for the kernels, same scores
     be = _backends.resolve(p, "forward", backend)
     if p.is_empty or p.q.shape[3] == 0:
         be = _numpy()            # degenerate sizes: the NumPy code path handles every edge
@@ -96,8 +101,9 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
     out, lse : the forward's output and log-sum-exp (return_lse=True); the attention weights are
         recomputed from them tile by tile, so memory stays O(L) — nothing of size L x S is kept.
     Every other argument must be what the forward was called with. For dropout, pass the same
-    int seed as `rng` (a Generator would draw a new seed; pass one in the same state instead):
-    the kept weights are regenerated from the hash, not stored.
+    int seed as `rng`: the kept weights are regenerated from the hash, not stored. rng=None or a
+    Generator raise ValueError when dropout_p > 0 (None would draw a fresh seed, a Generator a
+    seed from its current state: the gradients of another dropout mask, silently).
 
     Returns dq, dk, dv shaped and typed like query, key, value. Under GQA, dk/dv are summed
     over the query heads of each group. Rows whose keys were all masked get zero gradients.
@@ -105,9 +111,11 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
     dsinks_h = -sum over batch and rows of exp(sink_h - lse) * rowsum(grad_out * out).
     """
     fn = "scaled_dot_product_attention_backward"
+    check_backward_rng(dropout_p, rng, fn)
     p = make_problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                      causal_alignment=causal_alignment, window=window, softcap=softcap,
                      alibi_slopes=alibi_slopes, sinks=sinks, rng=rng, fn=fn)
+    p, dq_factor = for_kernels(p)
     B, Hq, L, _ = p.q.shape
     Ev = p.v.shape[3]
     dout = _saved(grad_out, "grad_out", p.out_shape, p.dtype, fn).reshape(B, Hq, L, Ev)
@@ -117,6 +125,9 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
     if p.is_empty:
         be = _numpy()
     dq, dk, dv, dsinks = be.backward(p, dout, fwd_out, fwd_lse)
+    if dq_factor is not None:
+        with np.errstate(invalid="ignore"):   # inf * 0 = NaN, as the unrewritten math gives
+            dq = dq * p.dtype.type(dq_factor)  # the kernels' q was -q (or q * 0): chain rule
     shapes = (np.shape(query), np.shape(key), np.shape(value))
     grads = tuple(g.astype(p.in_dtype, copy=False).reshape(s) for g, s in zip((dq, dk, dv), shapes))
     if sinks is None:
@@ -224,7 +235,7 @@ def softmax(x, axis=-1, mask=None, *, backend=None):
     float32 and return their own dtype.
     """
     fn = "softmax"
-    arr = x if isinstance(x, np.ndarray) else np.asarray(x)
+    arr = native_byte_order(x if isinstance(x, np.ndarray) else np.asarray(x))
     if arr.dtype.kind in "biu":
         arr = arr.astype(np.float64)
     cdt = compute_dtype(arr.dtype)
@@ -272,7 +283,7 @@ def attention(q, k, v, mask=None, *, scale=None, backend=None):
         raise ValueError(f"{fn}: leading dims of q {q.shape}, k {k.shape} and v {v.shape} do "
                          f"not broadcast") from None
     cdt = compute_dtype(dtype)
-    s_scale = check_scale(scale, q.shape[-1], fn)
+    s_scale = check_scale(scale, q.shape[-1], fn, cdt)
     qc, kc, vc = (a.astype(cdt, copy=False) for a in (q, k, v))
     scores = np.matmul(qc, np.swapaxes(kc, -1, -2))
     scores *= cdt.type(s_scale)

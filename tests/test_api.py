@@ -77,10 +77,11 @@ def test_dropout_out_of_range(rng, p):
         SDPA(q, k, v, dropout_p=p)
 
 
-@pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan")])
+@pytest.mark.parametrize("scale", [float("inf"), -float("inf"), float("nan")])
 def test_bad_scale(rng, scale):
+    # any finite scale is allowed (torch's rule; tests/test_reliability.py checks 0 and < 0)
     q, k, v = qkv(rng)
-    with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+    with pytest.raises(ValueError, match="scale must be a finite number"):
         SDPA(q, k, v, scale=scale)
 
 

@@ -66,7 +66,8 @@ def _apply_scores_pipeline(p, s, b, i0, i1, j0, j1, heads=slice(None)):
     softcap_grad = None
     if p.softcap:
         cap = p.dtype.type(p.softcap)
-        np.divide(s, cap, out=s)
+        with np.errstate(over="ignore"):     # s / cap -> +-inf for a small cap: tanh gives +-1
+            np.divide(s, cap, out=s)
         np.tanh(s, out=s)
         softcap_grad = 1 - s * s
         s *= cap

@@ -1,0 +1,186 @@
+"""Issue 14: inputs that gave silent wrong answers, crashes or unclear errors, one test each.
+
+Every test runs each backend (conftest's `backend` fixture) where the defect could differ
+between them; the float64 reference is the oracle, with the tolerance rule of DESIGN.md §5.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import assert_close_to_reference, check_sdpa, randn
+from known_defects import skip_known
+
+import fastattn as fa
+from fastattn import reference
+
+SDPA = fa.scaled_dot_product_attention
+BWD = fa.scaled_dot_product_attention_backward
+
+
+def qkv(rng, B=2, H=3, L=7, S=9, E=8, dtype=np.float32):
+    return (randn(rng, (B, H, L, E), dtype), randn(rng, (B, H, S, E), dtype),
+            randn(rng, (B, H, S, E), dtype))
+
+
+def check_grads(q, k, v, g, backend, **kw):
+    """Backend gradients vs the float64 closed form, with the tolerance rule."""
+    out, lse = SDPA(q, k, v, return_lse=True, backend=backend, **kw)
+    got = BWD(g, q, k, v, out, lse, backend=backend, **kw)
+    want = reference.scaled_dot_product_attention_backward(g, q, k, v, **kw)
+    low = np.float64 if q.dtype == np.float64 else np.float32
+    naive = reference.scaled_dot_product_attention_backward(g, q, k, v, dtype=low, **kw)
+    for name, a, r, n in zip(("dq", "dk", "dv"), got, want, naive):
+        assert_close_to_reference(a, r, n, low, name)
+    return got
+
+
+# ----------------------------------------------------------------------------------------------
+# item 3: a scale beyond the compute dtype's range; item 15: any finite scale (torch's rule)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,scale", [(np.float32, 1e39), (np.float32, -1e39),
+                                         (np.float16, 1e39)])
+def test_scale_beyond_dtype_range(backend, rng, dtype, scale):
+    q, k, v = qkv(rng, dtype=dtype)
+    with pytest.raises(ValueError, match=r"scale=.*beyond the range of the compute dtype float32 \(max 3\.40282e\+38\)"):
+        SDPA(q, k, v, scale=scale, backend=backend)
+    with pytest.raises(ValueError, match="scale"):
+        fa.attention(q, k, v, scale=scale, backend=backend)
+
+
+def test_scale_at_float32_max_is_computed(backend, rng):
+    # 3e38 fits float32: accepted, and scores of 3e38 * q.k overflow like torch's do (NaN rows
+    # where the row has an inf score), so use q.k tiny enough to stay finite
+    skip_known(backend, "large_scores")      # scale * log2(e) overflows float32 in numba
+    q, k, v = qkv(rng)
+    q = q * np.float32(1e-38)
+    check_sdpa(q, k, v, backend, scale=3e38)
+
+
+@pytest.mark.parametrize("scale", [-1e4, -1.0, -0.125, -1e-3])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_negative_scale(backend, rng, scale, dtype):
+    q, k, v = qkv(rng, dtype=dtype)
+    g = randn(rng, q.shape[:-1] + (v.shape[-1],), dtype)
+    check_sdpa(q, k, v, backend, scale=scale)
+    check_sdpa(q, k, v, backend, scale=scale, is_causal=True, softcap=3.0)
+    dq = check_grads(q, k, v, g, backend, scale=scale)[0]
+    # the sign matters: the gradient w.r.t. q of the rewritten problem (-q, |scale|) is -dq
+    want = reference.scaled_dot_product_attention_backward(g, q, k, v, scale=scale)[0]
+    if abs(scale) <= 1:          # (at -1e4 the rows are one-hot and dq is ~0)
+        assert np.sum(dq * want) > 0.5 * np.sum(want * want)
+    check_grads(q, k, v, g, backend, scale=scale, is_causal=True, softcap=2.0,
+                alibi_slopes=np.array([0.5, 0.25, 0.1]))
+
+
+def test_negative_scale_matches_torch(backend, rng):
+    # torch keeps a regression test for scale=-1e4
+    from conftest import torch_or_skip
+
+    torch = torch_or_skip()
+    q, k, v = qkv(rng, dtype=np.float64)
+    got = SDPA(q, k, v, scale=-1e4, backend=backend)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(x) for x in (q, k, v)), scale=-1e4).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_zero_scale_gives_uniform_weights(backend, rng, dtype):
+    q, k, v = qkv(rng, dtype=dtype)
+    g = randn(rng, q.shape[:-1] + (v.shape[-1],), dtype)
+    out, lse = SDPA(q, k, v, scale=0.0, return_lse=True, backend=backend)
+    np.testing.assert_allclose(out, np.broadcast_to(v.mean(axis=2, keepdims=True), out.shape),
+                               rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-6)
+    np.testing.assert_allclose(lse, np.log(k.shape[2]), rtol=1e-6)
+    check_sdpa(q, k, v, backend, scale=0.0, is_causal=True)
+    dq, dk, _ = check_grads(q, k, v, g, backend, scale=0.0)
+    assert not dq.any() and not dk.any()          # the scores do not depend on q or k
+    # 0 * inf = NaN, as in torch: an inf in q makes its row NaN, not uniform
+    skip_known(backend, "nan_in_attended_input")
+    q[0, 0, 1, 2] = np.inf
+    out = SDPA(q, k, v, scale=0.0, backend=backend)
+    assert np.isnan(out[0, 0, 1]).all() and np.isfinite(np.delete(out[0, 0], 1, axis=0)).all()
+
+
+def test_positive_scale_bits_unchanged(backend, rng):
+    # the rewrite for scale <= 0 must not touch the usual path: 2 * scale on 2 * q.k == same
+    q, k, v = qkv(rng)
+    a = SDPA(q, k, v, scale=0.25, backend=backend)
+    b = SDPA(-q, k, v, scale=-0.25, backend=backend)
+    assert np.array_equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------
+# item 7: a softcap the compute dtype cannot hold
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,softcap", [(np.float32, 1e-300), (np.float32, 1e-40),
+                                           (np.float16, 1e-39), (np.float32, 1e39),
+                                           (np.float64, 1e-320)])
+def test_softcap_outside_dtype_range(backend, rng, dtype, softcap):
+    q, k, v = qkv(rng, dtype=dtype)
+    with pytest.raises(ValueError, match=r"softcap=.* outside the range of the compute dtype"):
+        SDPA(q, k, v, softcap=softcap, backend=backend)
+
+
+@pytest.mark.parametrize("dtype,softcap", [(np.float64, 1e-300), (np.float32, 1.2e-38),
+                                           (np.float32, 1e-30)])
+def test_tiny_softcap_gives_uniform_weights(backend, rng, dtype, softcap):
+    # every capped score is within +-softcap of 0: uniform weights, and no RuntimeWarning
+    # (the suite runs with -W error) from s / softcap overflowing to +-inf
+    q, k, v = qkv(rng, dtype=dtype)
+    g = randn(rng, q.shape[:-1] + (v.shape[-1],), dtype)
+    out, lse = SDPA(q, k, v, softcap=softcap, return_lse=True, backend=backend)
+    np.testing.assert_allclose(out, np.broadcast_to(v.mean(axis=2, keepdims=True), out.shape),
+                               rtol=1e-5, atol=1e-6)
+    dq, dk, dv = BWD(g, q, k, v, out, lse, softcap=softcap, backend=backend)
+    assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
+    np.testing.assert_allclose(dq, 0, atol=1e-6)
+    np.testing.assert_allclose(dk, 0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# item 5: the backward of a dropout forward needs the forward's seed
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad_rng", [None, "generator"])
+def test_backward_dropout_needs_the_int_seed(backend, rng, bad_rng):
+    q, k, v = qkv(rng)
+    out, lse = SDPA(q, k, v, dropout_p=0.3, rng=5, return_lse=True, backend=backend)
+    gen = np.random.default_rng(5) if bad_rng == "generator" else None
+    with pytest.raises(ValueError, match=r"dropout_p > 0 the backward needs rng = the int seed"):
+        BWD(np.ones_like(out), q, k, v, out, lse, dropout_p=0.3, rng=gen, backend=backend)
+    if gen is not None:     # refused before anything was drawn from it
+        assert gen.integers(1 << 30) == np.random.default_rng(5).integers(1 << 30)
+    # without dropout, rng is not needed
+    out, lse = SDPA(q, k, v, return_lse=True, backend=backend)
+    BWD(np.ones_like(out), q, k, v, out, lse, backend=backend)
+
+
+# ----------------------------------------------------------------------------------------------
+# item 12: non-native byte order; item 13: ragged masks
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_big_endian_inputs(backend, rng, dtype):
+    q, k, v = qkv(rng, dtype=dtype)
+    mask = randn(rng, (7, 9), dtype)
+    swapped = [x.astype(x.dtype.newbyteorder(">")) for x in (q, k, v, mask)]
+    assert not swapped[0].dtype.isnative
+    out, lse = SDPA(q, k, v, attn_mask=mask, return_lse=True, backend=backend)
+    got, got_lse = SDPA(*swapped[:3], attn_mask=swapped[3], return_lse=True, backend=backend)
+    assert got.dtype == out.dtype and np.array_equal(got, out) and np.array_equal(got_lse, lse)
+    grads = BWD(out, q, k, v, out, lse, attn_mask=mask, backend=backend)
+    got_grads = BWD(got.astype(got.dtype.newbyteorder(">")), *swapped[:3], got,
+                    got_lse.astype(got_lse.dtype.newbyteorder(">")), attn_mask=swapped[3],
+                    backend=backend)
+    for a, b in zip(grads, got_grads):
+        assert np.array_equal(a, b)
+    w = fa.attention(q, k, v, backend=backend)[1]
+    assert np.array_equal(fa.attention(*swapped[:3], backend=backend)[1], w)
+    x = randn(rng, (4, 6), dtype)
+    assert np.array_equal(fa.softmax(x.astype(x.dtype.newbyteorder(">")), backend=backend),
+                          fa.softmax(x, backend=backend))
+
+
+def test_ragged_attn_mask_names_the_argument(rng):
+    q, k, v = qkv(rng, B=1, H=1, L=2, S=3)
+    with pytest.raises(TypeError, match="attn_mask must be an array"):
+        SDPA(q, k, v, attn_mask=[[True, False, True], [True]])
