@@ -19,6 +19,10 @@ from ._threads import parallel_map
 # and to bound memory (2**20 float32 = 4 MiB).
 TILE_ELEMENTS = 1 << 20
 KEY_BLOCK = 1024
+# The backward keeps a query block's tiles between its two sweeps up to this many key blocks
+# (P and dP: 2 x 4 MiB each in float32), and recomputes them beyond.
+_BWD_KEPT_KEY_BLOCKS = 4
+_BWD_MAX_ROWS = 256
 
 
 def _blocks(p):
@@ -210,9 +214,11 @@ class NumpyBackend(Backend):
     def backward(self, p, dout, out, lse):
         """FlashAttention-2's backward on NumPy tiles: P is recomputed from the saved lse.
 
-        D = rowsum(dO * O); per tile: P = exp(s - lse), dV += Pd^T dO, dP = dO V^T (dropout
-        applied), dS = P (dP - D) (times softcap's derivative), dQ += scale dS K,
-        dK += scale dS^T Q. Accumulators are in the compute dtype (float32 or float64).
+        Per tile: P = exp(s - lse), dP = dO V^T (dropout applied); per row Z = sum P and
+        D = sum P dP over the row's tiles; then P /= Z, dV += Pd^T dO, dS = P (dP - D / Z)
+        (times softcap's derivative), dQ += scale dS K, dK += scale dS^T Q (see
+        _backward_heads). Accumulators are in the compute dtype (float32 or float64), Z and D
+        in float64.
 
         Returns (dq, dk, dv, dsinks): dsinks (Hq,) is None without sinks. The tiles need no
         change for sinks (lse includes the sink, so P does); dsinks is one reduction over rows.
@@ -229,8 +235,12 @@ class NumpyBackend(Backend):
     def _backward_tiles(self, p, dout, out, lse, dq, dk, dv):
         B, Hkv = p.q.shape[0], p.k.shape[1]
         bq, bk = _blocks(p)
+        # dV and dK sum over query rows inside each block's matmul, in the compute dtype: past a
+        # few hundred rows the float32 sum's rounding dominates the error (S=4, L=2048: 9e-5 in
+        # dv against torch's 2e-5, 2.4e-5 with 256-row blocks), so blocks stay at most
+        # _BWD_MAX_ROWS rows (what key blocks of 1024 give anyway from Hq = 4 up).
+        bq = min(bq, _BWD_MAX_ROWS)
         ctx = dict(
-            delta=np.einsum("bhld,bhld->bhl", dout, out),              # D = rowsum(dO * O)
             # rows with no key have lse = -inf: use +inf so exp(s - lse) = 0 there, not NaN
             lse_safe=np.where(np.isneginf(lse), np.inf, lse).astype(p.dtype),
             kv_finite=bool(np.isfinite(p.k).all() and np.isfinite(p.v).all()),
@@ -249,9 +259,19 @@ class NumpyBackend(Backend):
         parallel_map(group, items, threads)
 
     def _backward_heads(self, p, dout, dq, dk, dv, ctx, b, h0, h1):
-        """Gradients of KV heads h0..h1-1 of batch b and of the query heads reading them."""
+        """Gradients of KV heads h0..h1-1 of batch b and of the query heads reading them.
+
+        Two sweeps per query block, as the compiled backends do (csrc/backward.pxi): the first
+        forms P = exp(s - lse) and dP and sums Z = sum_j P and D = sum_j P dP (in float64);
+        the second uses P / Z and D / Z. In exact arithmetic Z = 1 and D / Z = rowsum(dO * O),
+        but taking both from the same tiles as dS makes dS exactly 0 where a row's weight sits
+        on one key (dP - D/Z = dP - dP), where rowsum(dO * O) cancels to a rounding error that
+        the large dP then amplifies into dq/dk; and P / Z removes the rounding of the saved lse
+        from dV. Tiles are kept between the sweeps when they are few, else recomputed (the same
+        code, so the same values).
+        """
         L, E = p.q.shape[2], p.q.shape[3]
-        Hq, S, Ev = p.q.shape[1], p.k.shape[2], p.v.shape[3]
+        S, Ev = p.k.shape[2], p.v.shape[3]
         G = p.group
         dt = p.dtype
         nkv = h1 - h0
@@ -270,30 +290,70 @@ class NumpyBackend(Backend):
             qt = np.ascontiguousarray(qb[:, :, i0:i1]).reshape(nkv, G * nq, E)
             dot = np.ascontiguousarray(dob[:, :, i0:i1]).reshape(nkv, G * nq, Ev)
             lse_t = ctx["lse_safe"][b, heads, i0:i1, None]                  # (nh, nq, 1)
-            delta_t = ctx["delta"][b, heads, i0:i1, None]
+            starts = list(range(j_lo, j_hi, bk))
+            keep_tiles = len(starts) <= _BWD_KEPT_KEY_BLOCKS
+
+            def tile(j0):
+                return self._backward_tile(p, qt, dot, kb, vb, lse_t, b, i0, i1, j0,
+                                           min(j_hi, j0 + bk), heads, kv_finite)
+
+            # sweep 1: Z and D of every row
+            Z = np.zeros((nkv * G, nq), np.float64)
+            D = np.zeros((nkv * G, nq), np.float64)
+            kept = []
+            for j0 in starts:
+                t = tile(j0)
+                P, dP = t[0], t[1]
+                Z += P.sum(axis=-1, dtype=np.float64)
+                PdP = P.astype(np.float64) * dP
+                if not t[4]:
+                    np.copyto(PdP, 0, where=(P == 0))                       # masked keys: no NaN
+                D += PdP.sum(axis=-1)
+                if keep_tiles:
+                    kept.append(t)
+            if p.sinks is not None:
+                # lse includes the sink: its weight exp(sink - lse) completes Z (its dP is 0)
+                sink = p.sinks[heads].astype(np.float64)[:, None]
+                with np.errstate(over="ignore"):
+                    Z += np.exp(sink - lse_t[..., 0].astype(np.float64))
+            ok = Z > 0
+            inv_z = np.divide(1.0, Z, out=np.zeros_like(Z), where=ok)
+            d_z = (D * inv_z).astype(dt)[:, :, None]                       # D / Z, (nh, nq, 1)
+            inv_z = inv_z.astype(dt)[:, :, None]
+            # sweep 2: dS = (P / Z)(dP - D / Z), and the matmuls
             dq_acc = np.zeros((nkv, G * nq, E), dt)
-            for j0 in range(j_lo, j_hi, bk):
+            for n, j0 in enumerate(starts):
                 j1 = min(j_hi, j0 + bk)
                 nk = j1 - j0
-                s = np.matmul(qt, kb[:, j0:j1].transpose(0, 2, 1))
-                s3 = s.reshape(nkv * G, nq, nk)
-                softcap_grad = _apply_scores_pipeline(p, s3, b, i0, i1, j0, j1, heads)
-                s3 -= lse_t
-                P = np.exp(s3, out=s3)                                      # (nh, nq, nk)
-                drop = _dropout_scale(p, b, Hq, i0, i1, j0, j1, heads) if p.dropout_p > 0 else None
+                P, dP, softcap_grad, drop, finite = kept[n] if keep_tiles else tile(j0)
+                P *= inv_z
                 Pd = P * drop if drop is not None else P
                 dv[b, h0:h1, j0:j1] += np.matmul(Pd.reshape(nkv, G * nq, nk).transpose(0, 2, 1), dot)
-                dP = np.matmul(dot, vb[:, j0:j1].transpose(0, 2, 1)).reshape(nkv * G, nq, nk)
-                if drop is not None:
-                    dP *= drop
-                dP -= delta_t
+                dP -= d_z
                 dS = np.multiply(P, dP, out=dP)
                 if softcap_grad is not None:
                     dS *= softcap_grad
-                if not kv_finite and not (np.isfinite(kb[:, j0:j1]).all() and np.isfinite(vb[:, j0:j1]).all()):
+                if not finite:
                     np.copyto(dS, 0, where=(P == 0))                       # masked keys: no NaN
                 dS *= scale
                 dS3 = dS.reshape(nkv, G * nq, nk)
                 dq_acc += safe_matmul(dS3, kb[:, j0:j1], kv_finite)
                 dk[b, h0:h1, j0:j1] += np.matmul(dS3.transpose(0, 2, 1), qt)
             dq[b, heads, i0:i1] = dq_acc.reshape(nkv * G, nq, E)
+
+    @staticmethod
+    def _backward_tile(p, qt, dot, kb, vb, lse_t, b, i0, i1, j0, j1, heads, kv_finite):
+        """(P, dP, softcap', dropout scale or None, finite) of one tile, (nh, nq, nk) each."""
+        nkv, nq, nk = kb.shape[0], i1 - i0, j1 - j0
+        s = np.matmul(qt, kb[:, j0:j1].transpose(0, 2, 1))
+        s3 = s.reshape(-1, nq, nk)
+        softcap_grad = _apply_scores_pipeline(p, s3, b, i0, i1, j0, j1, heads)
+        s3 -= lse_t
+        P = np.exp(s3, out=s3)
+        drop = (_dropout_scale(p, b, p.q.shape[1], i0, i1, j0, j1, heads)
+                if p.dropout_p > 0 else None)
+        dP = np.matmul(dot, vb[:, j0:j1].transpose(0, 2, 1)).reshape(-1, nq, nk)
+        if drop is not None:
+            dP *= drop
+        finite = kv_finite or bool(np.isfinite(kb[:, j0:j1]).all() and np.isfinite(vb[:, j0:j1]).all())
+        return P, dP, softcap_grad, drop, finite
