@@ -407,6 +407,12 @@ def mask_to_4d(m: np.ndarray, batch_shape: tuple, head_axis: bool, B: int, dtype
     """
     nb = len(batch_shape)
     full_nd = nb + (1 if head_axis else 0) + 2
+    # A stride-0 axis (np.broadcast_to, or a broadcast view) holds one value along it: keep
+    # length 1 there, which the kernels broadcast, instead of copying the repeats out densely
+    # (np.broadcast_to(row, (1, 1, L, L)) was L x L in memory).
+    if m.ndim and 0 in m.strides:
+        m = m[tuple(slice(0, 1) if st == 0 and n > 1 else slice(None)
+                    for st, n in zip(m.strides, m.shape))]
     m = m.reshape((1,) * (full_nd - m.ndim) + m.shape)
     if not head_axis:
         m = m.reshape(m.shape[:nb] + (1,) + m.shape[nb:])

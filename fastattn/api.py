@@ -218,7 +218,9 @@ def _keep_mask(mask, shape: tuple, fn: str) -> np.ndarray:
 
 def _softmax_last(x: np.ndarray, keep, backend, fn: str) -> np.ndarray:
     """Softmax over the last axis of a compute-dtype array through the selected backend."""
-    rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1]) if x.size else x.reshape(-1, x.shape[-1])
+    # the row count spelled out: reshape(-1, 0) is ambiguous for an empty last axis
+    n_rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    rows = np.ascontiguousarray(x).reshape(n_rows, x.shape[-1])
     keep2 = None if keep is None else np.ascontiguousarray(keep).reshape(rows.shape)
     be = _backends.resolve(None, "softmax", backend)
     if rows.size == 0:

@@ -231,3 +231,86 @@ def test_backward_long_rows_few_keys_dv_like_torch(backend):
     for name, a, t, r in zip(("dq", "dk", "dv"), got, (tq, tk, tv), want):
         torch_err = np.abs(t.grad.numpy() - r).max()
         assert np.abs(a - r).max() <= 2 * torch_err + 1e-6, name
+
+
+# ----------------------------------------------------------------------------------------------
+# item 8: broadcast (stride-0) masks are read through their strides, not copied dense
+# ----------------------------------------------------------------------------------------------
+def _broadcast_masks(rng, B, H, L, S):
+    row = rng.random(S) > 0.3
+    row[0] = True
+    col = rng.random((L, 1)) > 0.2
+    per_batch = rng.random((B, 1, L, S)) > 0.4
+    frow = (rng.standard_normal(S) * 2).astype(np.float32)
+    return {
+        "bool_row": np.broadcast_to(row, (1, 1, L, S)),
+        "bool_col": np.broadcast_to(col, (L, S)),
+        "bool_heads": np.broadcast_to(per_batch, (B, H, L, S)),
+        "bool_batch": np.broadcast_to(row[None, None, None], (B, H, L, S)),
+        "float_row": np.broadcast_to(frow, (B, H, L, S)),
+        "float_row_f64": np.broadcast_to(frow.astype(np.float64), (1, 1, L, S)),
+    }
+
+
+@pytest.mark.parametrize("kind", ["bool_row", "bool_col", "bool_heads", "bool_batch", "float_row",
+                                  "float_row_f64"])
+def test_broadcast_mask_not_expanded(backend, rng, kind):
+    B, H, L, S = 2, 3, 37, 45
+    q, k, v = qkv(rng, B=B, H=H, L=L, S=S)
+    mask = _broadcast_masks(rng, B, H, L, S)[kind]
+    assert 0 in mask.strides
+    dense = np.ascontiguousarray(mask)
+    out, lse = SDPA(q, k, v, attn_mask=mask, return_lse=True, backend=backend)
+    want, want_lse = SDPA(q, k, v, attn_mask=dense, return_lse=True, backend=backend)
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-6, atol=1e-7)
+    check_sdpa(q, k, v, backend, attn_mask=mask)
+    g = randn(rng, out.shape)
+    got = BWD(g, q, k, v, out, lse, attn_mask=mask, backend=backend)
+    ref = BWD(g, q, k, v, want, want_lse, attn_mask=dense, backend=backend)
+    for a, r in zip(got, ref):
+        np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-6)
+
+
+def test_broadcast_mask_memory():
+    import tracemalloc
+
+    from fastattn._inputs import make_problem
+
+    L = 2048
+    q = np.ones((1, 2, L, 8), np.float32)
+    row = np.arange(L) % 3 != 0
+    for mask in (np.broadcast_to(row, (1, 1, L, L)),
+                 np.broadcast_to(row.astype(np.float32), (2, L, L))):
+        tracemalloc.start()
+        try:
+            p = make_problem(q, q, q, mask)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert p.mask.shape == (1, 1, 1, L)
+        assert peak < 64 * L, peak            # one row (L bytes/floats), not L x L
+
+
+# ----------------------------------------------------------------------------------------------
+# item 10: empty axes in the classic helpers
+# ----------------------------------------------------------------------------------------------
+def test_softmax_empty_axis(backend):
+    for shape, axis in (((3, 0), -1), ((0, 3), 0), ((2, 0, 4), 1), ((0,), 0)):
+        x = np.zeros(shape, np.float32)
+        y = fa.softmax(x, axis=axis, backend=backend)
+        assert y.shape == shape and y.dtype == np.float32
+        y = fa.softmax(x, axis=axis, mask=np.zeros(shape, bool), backend=backend)
+        assert y.shape == shape
+
+
+def test_attention_and_multihead_empty(backend, rng):
+    q = randn(rng, (2, 3, 4))
+    out, w = fa.attention(q, randn(rng, (2, 0, 4)), randn(rng, (2, 0, 5)), backend=backend)
+    assert out.shape == (2, 3, 5) and w.shape == (2, 3, 0)
+    assert not out.any()                  # no key: zero rows, as for fully masked rows
+    X = randn(rng, (2, 0, 8))
+    W = randn(rng, (8, 8))
+    for mask in (None, fa.causal_mask(0)):
+        Y, A = fa.multihead(X, W, W, W, W, 2, mask=mask, backend=backend)
+        assert Y.shape == (2, 0, 8) and A.shape == (2, 2, 0, 0)
