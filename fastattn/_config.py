@@ -1,7 +1,7 @@
 """Environment settings read by fastattn (one place, so they are easy to find).
 
 FASTATTN_BACKEND      default backend name ("auto", "cython", "numba", "numpy")
-FASTATTN_NUM_THREADS  threads the compiled kernels use (default: the CPUs this process may run on)
+FASTATTN_NUM_THREADS  threads the kernels use, 1..65536 (default: the CPUs this process may run on)
 FASTATTN_REQUIRE      comma-separated backend names that must be available; a missing one is an
                       error instead of a silent fallback (CI sets it)
 
@@ -16,6 +16,9 @@ from __future__ import annotations
 import os
 
 BACKEND_NAMES = ("cython", "numba", "numpy")
+# The kernels take the thread count as a C int (2**31 overflowed there, naming nothing) and no
+# machine runs more threads usefully: a larger FASTATTN_NUM_THREADS is a mistake, so say so.
+MAX_THREADS = 1 << 16
 
 
 class _Settings:
@@ -49,8 +52,9 @@ def _parse_threads(raw: str):
         n = int(raw)
     except ValueError:
         return 0, f"FASTATTN_NUM_THREADS must be a positive integer, got {raw!r}"
-    if n < 1:
-        return 0, f"FASTATTN_NUM_THREADS must be a positive integer, got {raw!r}"
+    if not 1 <= n <= MAX_THREADS:
+        return 0, (f"FASTATTN_NUM_THREADS must be a positive integer <= {MAX_THREADS}, "
+                   f"got {raw!r}")
     return n, None
 
 
