@@ -314,3 +314,88 @@ def test_attention_and_multihead_empty(backend, rng):
     for mask in (None, fa.causal_mask(0)):
         Y, A = fa.multihead(X, W, W, W, W, 2, mask=mask, backend=backend)
         assert Y.shape == (2, 0, 8) and A.shape == (2, 2, 0, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# item 11: bad FASTATTN_* settings: a clear error naming the variable; `info` reports them
+# ----------------------------------------------------------------------------------------------
+def _child(args, **env):
+    import os
+    import subprocess
+    import sys
+
+    from helpers import package_root
+
+    full = {k: v for k, v in os.environ.items() if not k.startswith("FASTATTN_")}
+    full.update(env)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=full,
+                          timeout=300, cwd=package_root())
+
+
+@pytest.mark.parametrize("value", ["2147483648", "99999999999999999999", "65537"])
+def test_huge_num_threads_names_the_variable(value):
+    code = ("import numpy as np, fastattn as fa\n"
+            "q = np.ones((1, 1, 4, 4), np.float32)\n"
+            "for be in ('cython', 'numba', 'numpy'):\n"
+            "    if not fa.backends()[be].available: continue\n"
+            "    try:\n"
+            "        fa.scaled_dot_product_attention(q, q, q, backend=be)\n"
+            "    except ValueError as e:\n"
+            "        print(be, e)\n"
+            "    else:\n"
+            "        print(be, 'no error')\n")
+    res = _child(["-c", code], FASTATTN_NUM_THREADS=value)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert lines and all("FASTATTN_NUM_THREADS must be a positive integer <= 65536" in ln
+                         for ln in lines), res.stdout
+
+
+@pytest.mark.parametrize("env,expect", [
+    (dict(FASTATTN_NUM_THREADS="2147483648"), "FASTATTN_NUM_THREADS must be a positive integer"),
+    (dict(FASTATTN_NUM_THREADS="many"), "FASTATTN_NUM_THREADS must be a positive integer"),
+    (dict(FASTATTN_BACKEND="cuda"), "FASTATTN_BACKEND: unknown backend 'cuda'"),
+    (dict(FASTATTN_REQUIRE="foo"), "FASTATTN_REQUIRE lists unknown backend 'foo'"),
+])
+def test_info_reports_bad_settings(env, expect):
+    res = _child(["-m", "fastattn", "info"], **env)
+    assert "Traceback" not in res.stderr, res.stderr
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    assert "problems with the environment settings:" in res.stdout
+    assert expect in res.stdout
+    assert "  numpy: available" in res.stdout          # the rest of the report is still there
+
+
+# ----------------------------------------------------------------------------------------------
+# item 14: numba installed, scipy missing: unavailable with the reason, auto falls back
+# ----------------------------------------------------------------------------------------------
+def test_numba_without_scipy_is_unavailable():
+    pytest.importorskip("numba")
+    code = '''
+import sys, importlib.abc
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "scipy" or name.startswith("scipy."):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked)")
+        return None
+sys.meta_path.insert(0, Block())
+import numpy as np, fastattn as fa
+info = fa.backends()["numba"]
+print("available", info.available)
+print("reason", info.reason)
+q = np.ones((1, 2, 5, 4))
+with fa.use_backend("auto"):
+    out = fa.scaled_dot_product_attention(q, q, q)
+print("auto ok", out.shape)
+try:
+    fa.scaled_dot_product_attention(q, q, q, backend="numba")
+except fa.BackendUnavailableError as e:
+    print("explicit", e)
+'''
+    res = _child(["-c", code])
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "available False" in out
+    assert "scipy" in out.split("reason", 1)[1].splitlines()[0]
+    assert "auto ok (1, 2, 5, 4)" in out
+    assert "explicit backend 'numba' cannot run forward" in out and "scipy" in out

@@ -24,6 +24,15 @@ _KERNEL_MODULES = tuple("fastattn._numba." + m for m in (
 def _import_kernels():
     import numba
 
+    # Every float64 tile's GEMM is numba's BLAS binding, which is scipy's cython_blas: without
+    # scipy the kernels import fine and the first call fails (ModuleNotFoundError), so probe it
+    # here and let the backend be unavailable with the reason instead.
+    try:
+        import scipy.linalg.cython_blas  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"numba's kernels need scipy (its BLAS), which failed to import: {exc}; "
+                          "pip install 'fastattn[numba]' installs both") from exc
+
     # The default layer order can pick "workqueue", which aborts the process when two Python
     # threads run parallel kernels at once; "threadsafe" picks omp or tbb. Only if the user
     # did not choose, and before the first parallel compile.
