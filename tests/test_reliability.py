@@ -399,3 +399,98 @@ except fa.BackendUnavailableError as e:
     assert "scipy" in out.split("reason", 1)[1].splitlines()[0]
     assert "auto ok (1, 2, 5, 4)" in out
     assert "explicit backend 'numba' cannot run forward" in out and "scipy" in out
+
+
+# ----------------------------------------------------------------------------------------------
+# item 9: Ctrl-C on a numpy-backend call stops the pool's work
+# ----------------------------------------------------------------------------------------------
+def test_ctrl_c_cancels_numpy_pool_work():
+    pytest.importorskip("threadpoolctl")
+    code = '''
+import os, signal, threading, time, sys
+import numpy as np, fastattn as fa
+rng = np.random.default_rng(0)
+q, k, v, g = (rng.standard_normal((1, 8, 8192, 64)).astype(np.float32) for _ in range(4))
+out = np.zeros_like(q)
+lse = np.zeros(q.shape[:-1], np.float32)
+fa.scaled_dot_product_attention(q[:, :, :64], k[:, :, :64], v[:, :, :64], backend="numpy")
+threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+try:
+    # ~100 blocks of work, tens of seconds on 2 threads: the interrupt comes in the middle
+    fa.scaled_dot_product_attention_backward(g, q, k, v, out, lse, backend="numpy")
+    print("finished before the interrupt")
+except KeyboardInterrupt:
+    c0 = time.process_time()
+    time.sleep(2.0)
+    print("cpu after interrupt %.3f" % (time.process_time() - c0))
+'''
+    res = _child(["-c", code], FASTATTN_NUM_THREADS="2")
+    assert res.returncode == 0, res.stderr
+    assert "cpu after interrupt" in res.stdout, res.stdout
+    cpu = float(res.stdout.split("cpu after interrupt")[1])
+    # generous: the running blocks finish their current tile (~0.1 s each); before the fix the
+    # pool went on with every queued block (~2 s of CPU per second on 2 threads)
+    assert cpu < 1.0, res.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# item 16: another thread changing the thread count never fails a call
+# ----------------------------------------------------------------------------------------------
+def test_parallel_map_survives_pool_replacement():
+    pytest.importorskip("threadpoolctl")
+    import threading
+
+    from fastattn._backends import _threads
+
+    errors, done = [], []
+
+    def worker(t):
+        try:
+            for n in range(20):
+                box = []
+                _threads.parallel_map(box.append, range(8), 2 + (n + t) % 3)
+                assert sorted(box) == list(range(8))
+                done.append(1)
+        except BaseException as exc:      # noqa: BLE001 (reported below)
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert len(done) == 120
+
+
+def test_changing_num_threads_while_calling(monkeypatch, rng):
+    pytest.importorskip("threadpoolctl")
+    import os
+    import threading
+
+    q, k, v = qkv(rng, B=2, H=2, L=64, S=64)
+    want = SDPA(q, k, v, backend="numpy")
+    errors = []
+
+    def worker(t):
+        try:
+            for n in range(20):
+                os.environ["FASTATTN_NUM_THREADS"] = str(2 + (n + t) % 3)
+                reload = getattr(fa, "reload_environment", None)
+                if reload is not None:
+                    reload()
+                got = SDPA(q, k, v, backend="numpy")
+                assert np.array_equal(got, want)
+        except BaseException as exc:      # noqa: BLE001
+            errors.append(repr(exc))
+
+    monkeypatch.setenv("FASTATTN_NUM_THREADS", "2")
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    monkeypatch.undo()
+    if hasattr(fa, "reload_environment"):
+        fa.reload_environment()          # the next tests read the restored environment

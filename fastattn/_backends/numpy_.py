@@ -12,7 +12,7 @@ import numpy as np
 from .. import _config, _dropout
 from .._inputs import MASK_BOOL, MASK_FLOAT, lse_dtype
 from ._base import Backend
-from ._threads import parallel_map
+from ._threads import check_cancelled, parallel_map
 
 # A score tile holds about this many elements (all query heads x query block x key block):
 # large enough that NumPy's per-call overhead is amortized, small enough to stay cache-friendly
@@ -189,6 +189,7 @@ class NumpyBackend(Backend):
             l[:] = np.exp(m - np.where(np.isneginf(m), 0, m))
         acc = np.zeros((Hkv, G * nq, Ev), dt)
         for j0 in range(j_lo, j_hi, bk):
+            check_cancelled()                          # the caller was interrupted: stop here
             j1 = min(j_hi, j0 + bk)
             s = np.matmul(qt, kb[:, j0:j1].transpose(0, 2, 1))     # (Hkv, G*nq, nk)
             s3 = s.reshape(Hq, nq, j1 - j0)
@@ -302,6 +303,7 @@ class NumpyBackend(Backend):
             D = np.zeros((nkv * G, nq), np.float64)
             kept = []
             for j0 in starts:
+                check_cancelled()                      # the caller was interrupted: stop here
                 t = tile(j0)
                 P, dP = t[0], t[1]
                 Z += P.sum(axis=-1, dtype=np.float64)
@@ -323,6 +325,7 @@ class NumpyBackend(Backend):
             # sweep 2: dS = (P / Z)(dP - D / Z), and the matmuls
             dq_acc = np.zeros((nkv, G * nq, E), dt)
             for n, j0 in enumerate(starts):
+                check_cancelled()
                 j1 = min(j_hi, j0 + bk)
                 nk = j1 - j0
                 P, dP, softcap_grad, drop, finite = kept[n] if keep_tiles else tile(j0)
