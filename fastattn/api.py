@@ -76,7 +76,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         be = _numpy()            # degenerate sizes: the NumPy code path handles every edge
     out, lse = be.forward(p)
     if out.dtype != p.in_dtype or out.shape != p.out_shape:   # (the usual call: neither)
-        out = out.astype(p.in_dtype, copy=False).reshape(p.out_shape)
+        with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, its own answer
+            out = out.astype(p.in_dtype, copy=False).reshape(p.out_shape)
     if return_lse:
         return out, lse.reshape(p.lse_shape)
     return out
@@ -129,7 +130,9 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
         with np.errstate(invalid="ignore"):   # inf * 0 = NaN, as the unrewritten math gives
             dq = dq * p.dtype.type(dq_factor)  # the kernels' q was -q (or q * 0): chain rule
     shapes = (np.shape(query), np.shape(key), np.shape(value))
-    grads = tuple(g.astype(p.in_dtype, copy=False).reshape(s) for g, s in zip((dq, dk, dv), shapes))
+    with np.errstate(over="ignore"):     # float16 beyond 65504 is inf, as in torch
+        grads = tuple(g.astype(p.in_dtype, copy=False).reshape(s)
+                      for g, s in zip((dq, dk, dv), shapes))
     if sinks is None:
         return grads
     return grads + (dsinks.astype(np.asarray(sinks).dtype, copy=False),)

@@ -254,7 +254,8 @@ class NumpyBackend(Backend):
         items = [(b, h0, h1) for b in range(B) for h0, h1 in zip(bounds[:-1], bounds[1:]) if h1 > h0]
 
         def group(item):
-            with np.errstate(invalid="ignore"):        # errstate is per thread
+            # errstate is per thread; gradients beyond the dtype's range are its inf, not an error
+            with np.errstate(invalid="ignore", over="ignore"):
                 self._backward_heads(p, dout, dq, dk, dv, ctx, *item)
 
         parallel_map(group, items, threads)
