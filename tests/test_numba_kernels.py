@@ -264,9 +264,10 @@ def test_forward_kernel_band_edges_inside_blocks(case, dtype, blocks):
     from helpers import assert_close_to_reference
 
     from fastattn import reference
-    from fastattn._backends._kernel_args import forward_inputs, forward_outputs
+    from fastattn._backends._kernel_args import forward_outputs, kernel_args
     from fastattn._inputs import make_problem
     from fastattn._numba import forward as fwd
+    from fastattn._tuning import tuning
 
     c = dict(BAND_CASES[case])
     rng = np.random.default_rng(zlib.crc32(case.encode()) % 1000)
@@ -280,7 +281,8 @@ def test_forward_kernel_band_edges_inside_blocks(case, dtype, blocks):
         v[:, 1, 201, 3] = np.inf
     p = make_problem(q, k, v, **c)
     out, lse = forward_outputs(p)
-    fwd.forward(*forward_inputs(p), out, lse, 2, block_q=blocks[0], block_k=blocks[1])
+    with tuning(block_q=blocks[0], block_k=blocks[1]):
+        fwd.forward(kernel_args(p, 2), out, lse)
     with np.errstate(invalid="ignore"):      # 0 * NaN where the reference multiplies weights
         ref_out, ref_lse = reference.scaled_dot_product_attention(q, k, v, return_lse=True, **c)
         naive_out, naive_lse = reference.scaled_dot_product_attention(q, k, v, return_lse=True,
@@ -303,8 +305,9 @@ def test_backward_kernel_blocks_and_chunks(case, dtype, blocks):
     from helpers import assert_close_to_reference
 
     from fastattn import reference
-    from fastattn._backends._kernel_args import forward_inputs
+    from fastattn._backends._kernel_args import kernel_args
     from fastattn._numba import backward as bwd
+    from fastattn._tuning import tuning
 
     # a seed per case that is the same in every process (str hash() is randomized per process)
     rng = np.random.default_rng(zlib.crc32(case.encode()) % 1000)
@@ -315,8 +318,9 @@ def test_backward_kernel_blocks_and_chunks(case, dtype, blocks):
     res = []
     for _ in range(2):
         dq, dk, dv = np.full_like(q, np.nan), np.full_like(k, np.nan), np.full_like(v, np.nan)
-        bwd.backward(*forward_inputs(p), g, out, lse, dq, dk, dv, 2, block_q=bq, block_k=bk,
-                     nchunks=nchunks)
+        with tuning(bwd_block_q=bq, bwd_block_k=bk, bwd_chunks=nchunks):
+            args = kernel_args(p, 2)
+        bwd.backward(args, g, out, lse, dq, dk, dv, np.zeros(p.q.shape[1], dtype))
         res.append((dq, dk, dv))
     for a, b in zip(*res):
         assert np.array_equal(a, b, equal_nan=True)          # deterministic, bit for bit
@@ -346,8 +350,9 @@ def test_backward_kernel_float32_regressions(case, seed, blocks, grad):
     from helpers import assert_close_to_reference
 
     from fastattn import reference
-    from fastattn._backends._kernel_args import forward_inputs
+    from fastattn._backends._kernel_args import kernel_args
     from fastattn._numba import backward as bwd
+    from fastattn._tuning import tuning
 
     dtype = np.float32
     q, k, v, g, kw, p = _kernel_problem(np.random.default_rng(seed), dtype, case)
@@ -355,8 +360,8 @@ def test_backward_kernel_float32_regressions(case, seed, blocks, grad):
     out, lse = out.astype(dtype), lse.astype(dtype)
     bq, bk, nchunks = blocks
     dq, dk, dv = np.full_like(q, np.nan), np.full_like(k, np.nan), np.full_like(v, np.nan)
-    bwd.backward(*forward_inputs(p), g, out, lse, dq, dk, dv, 2, block_q=bq, block_k=bk,
-                 nchunks=nchunks)
+    with tuning(bwd_block_q=bq, bwd_block_k=bk, bwd_chunks=nchunks):
+        bwd.backward(kernel_args(p, 2), g, out, lse, dq, dk, dv, np.zeros(p.q.shape[1], dtype))
     i = ("dq", "dk", "dv").index(grad)
     want = reference.scaled_dot_product_attention_backward(g, q, k, v, **kw)[i]
     naive = reference.scaled_dot_product_attention_backward(g, q, k, v, dtype=dtype, **kw)[i]

@@ -14,11 +14,10 @@ import tempfile
 
 from .. import _process
 from ._compiled import CompiledBackend
-from ._kernel_args import legacy_inputs
 
 _KERNEL_MODULES = tuple("fastattn._numba." + m for m in (
-    "_intrinsics", "_exp", "_hash", "_blas", "_tiles", "_gemm", "_bwd_ops", "forward", "decode",
-    "softmax", "backward"))
+    "_intrinsics", "_exp", "_hash", "_blas", "_record", "_scores", "_tiles", "_gemm", "_bwd_ops",
+    "_transpose", "forward", "decode", "softmax", "backward"))
 
 
 def _import_kernels():
@@ -65,14 +64,9 @@ class NumbaBackend(CompiledBackend):
 
     def _load(self) -> None:
         forward, decode, softmax, backward = _import_kernels()
-        # transition: the kernels still take positional arguments; these adapters unpack the
-        # record until they take it whole
-        self._forward_kernel = lambda a, out, lse: forward.forward(*legacy_inputs(a), out, lse,
-                                                                   a.n_threads)
-        self._decode_kernel = lambda a, out, lse: decode.decode(*legacy_inputs(a), out, lse,
-                                                                a.n_threads)
-        self._backward_kernel = (lambda a, dout, out, lse, dq, dk, dv, dsinks: backward.backward(
-            *legacy_inputs(a), dout, out, lse, dq, dk, dv, a.n_threads))
+        self._forward_kernel = forward.forward
+        self._decode_kernel = decode.decode
+        self._backward_kernel = backward.backward
         self._softmax_kernel = softmax.softmax_rows
 
     def not_supported_reasons(self, problem, op):

@@ -1,134 +1,16 @@
-"""Tile passes shared by the forward and decode kernels (Numba).
+"""Tile passes of the numba kernels (the score pipeline itself is in _scores.py).
 
-Score pipeline, lazy online softmax, dropout, finalize, the non-finite-V
-check and its exact slow path, and the block mask status.
+Lazy online softmax, dropout, finalize (forward, decode), the backward's
+gradient tile pass, the non-finite-V check and its exact slow path.
 """
 import numpy as np
 from numba import njit
 
 from ._blas import gemm_nn
-from ._exp import LOG2E, exp2_row_sum, exp2v, tanhv
+from ._exp import exp2_row_sum, exp2v
 from ._gemm import MR, NO_LIMIT, tile_cols
-from ._hash import dropout_bits, dropout_row_key
+from ._hash import dropout_bits, dropout_row_key, dropout_threshold_nb
 from ._intrinsics import FM, fcast, fmax_nan, wide_vectors
-
-
-# --------------------------------------------------------------------------
-# A score tile S is a C-contiguous (rows, Bk) array; each pass works on rows
-# r0..r1-1 and the first n columns. Passes take the 2-D tile and loop over
-# rows inside: calling a helper per row with a row view cost ~170 ns per row
-# (view refcounting + a non-inlined call with ~30 arguments), i.e. as much as
-# the exp of the row itself at Bk=512.
-#
-# Units. The GEMM leaves the raw products x = q.k (Q is NOT prescaled).
-# With softcap, ALiBi or a float mask the pipeline turns x into the natural
-# score s = scale*x first (those terms are defined on s); otherwise the tile
-# stays raw. tile_online then takes c = scale*log2(e) (raw tile) or log2(e)
-# (natural tile) and exponentiates 2**(x*c - m), where the running max m is
-# in log2 units; x*c - m is one FMA, rounded once, relative to the small
-# |x*c - m| of the weights that matter. Folding scale*log2(e) into Q instead
-# (one multiply less per score) rounded every q element and added an error
-# relative to sum|q_e k_e|: with large logits (q, k x100) the output error
-# was 11x the naive float32 computation's (tests/test_forward.py,
-# test_large_values_stay_finite and the large-logit sweep).
-# --------------------------------------------------------------------------
-@njit(fastmath=FM)
-def mask_strides(m, B, H, L, S):
-    """Element strides of a broadcast mask (dims of size 1 -> stride 0)."""
-    Bm, Hm, Lm, Sm = m.shape
-    sS = 1 if Sm > 1 else 0
-    sL = Sm if Lm > 1 else 0
-    sH = Lm * Sm if Hm > 1 else 0
-    sB = Hm * Lm * Sm if Bm > 1 else 0
-    return sB, sH, sL, sS
-
-
-@njit(fastmath=FM)
-def active_mask_strides(mask_kind, mask_bool, mask_float, B, H, L, S):
-    """Strides of whichever mask the call has (kind 1: bool; else float, a dummy when none)."""
-    if mask_kind == 1:
-        return mask_strides(mask_bool, B, H, L, S)
-    return mask_strides(mask_float, B, H, L, S)
-
-
-@njit(fastmath=FM)
-def tile_pipeline(S, r0, r1, n, j0, pos0, to_nat, scale, use_cap, softcap,
-                  has_alibi, slope, mask_kind, mbf, mff, mbase, sL, sS, mstat,
-                  band_partial, win_left, win_right, Gc, save_grad):
-    """docs/KERNELS.md score pipeline on rows r0..r1-1 of a tile of raw
-    products, in order: scale (only when to_nat), softcap, ALiBi, float mask,
-    bool mask, band. Row r sits at position pos0 + (r - r0) and reads mask
-    entries at mbase + (r - r0)*sL + j*sS. Each step is a separate vectorized
-    loop; steps the block does not need are skipped. Replacement (not
-    addition) of -inf keeps NaN scores of masked keys out. With save_grad
-    (backward), softcap's derivative 1 - tanh**2 goes to Gc[r, j]."""
-    wide_vectors()
-    ninf = fcast(S, -np.inf)
-    sc = fcast(S, scale)
-    # softcap divides (like the spec) rather than multiplying by a rounded
-    # 1/cap: one rounding fewer in tanh's argument; only softcap pays for it
-    cap = fcast(S, softcap) if use_cap else fcast(S, 1.0)
-    for r in range(r0, r1):
-        d = r - r0
-        pos = pos0 + d
-        if use_cap and save_grad:
-            for j in range(n):
-                th = tanhv((S[r, j] * sc) / cap)
-                S[r, j] = cap * th
-                Gc[r, j] = fcast(S, 1.0) - th * th
-        elif use_cap:
-            for j in range(n):
-                S[r, j] = cap * tanhv((S[r, j] * sc) / cap)
-        elif to_nat:
-            for j in range(n):
-                S[r, j] = S[r, j] * sc
-        if has_alibi:
-            for j in range(n):
-                S[r, j] = S[r, j] - slope * fcast(S, abs(pos - (j0 + j)))
-        mo = mbase + d * sL
-        if mask_kind == 2:
-            if sS == 0:
-                mv = mff[mo]
-                if mv == ninf:
-                    for j in range(n):
-                        S[r, j] = ninf
-                else:
-                    for j in range(n):
-                        S[r, j] = S[r, j] + mv
-            else:
-                for j in range(n):
-                    mv = mff[mo + j]
-                    S[r, j] = ninf if mv == ninf else S[r, j] + mv
-        elif mask_kind == 1 and mstat == 2:
-            if sS == 0:
-                if mbf[mo] == 0:
-                    for j in range(n):
-                        S[r, j] = ninf
-            else:
-                for j in range(n):
-                    S[r, j] = ninf if mbf[mo + j] == 0 else S[r, j]
-        if band_partial:
-            # allowed columns [a, b): j0 + j in [pos - win_left, pos + win_right]
-            a = min(max(pos - win_left - j0, 0), n)
-            b = min(max(pos + win_right - j0 + 1, 0), n)
-            if b < a:
-                b = a
-            for j in range(0, a):
-                S[r, j] = ninf
-            for j in range(b, n):
-                S[r, j] = ninf
-
-
-@njit
-def score_units(arr, scale, softcap, has_alibi, mask_kind):
-    """(to_nat, c, kappa) of a call, see the units note above: whether the
-    pipeline turns tiles into natural scores, the factor c of tile_online
-    (as passed; tile_online rounds it to the dtype) and kappa of
-    tile_finalize."""
-    to_nat = softcap > 0.0 or has_alibi or mask_kind == 2
-    c = LOG2E if to_nat else scale * LOG2E
-    kappa = (1.0 if to_nat else scale) / np.float64(fcast(arr, c))
-    return to_nat, c, kappa
 
 
 # Lazy rescaling: once a row has a running max m, a new block is first
@@ -230,16 +112,23 @@ def tile_dropout(P, r0, r1, n, seed, bh, i0, j0, thresh):
 
 
 @njit(fastmath=FM)
-def tile_grad(S, Z, Gc, nq, n, c, lse2, Dd, Iz, roff, use_cap, do_drop, seed, bh,
-              i0, j0, thresh, inv_keep):
+def tile_grad(S, Z, Gc, nq, n, a, c, rows, roff, bh, i0, j0):
     """Backward tile pass (docs/KERNELS.md): S holds the scores as tile_online
     reads them (log2-unit score = S * c) and becomes dS; Z holds dO . V^T and
     becomes the weights after dropout, Pd. Row r is query i0 + r, with
-    lse2 = lse in the same log2 units and D at lse2/Dd[roff + r]:
-        P = 2**(S*c - lse2), Pd = P*keep/(1-p),
+    rows = (lse2, Dd, Iz): lse2 = lse in the same log2 units, D and 1/Z at
+    Dd/Iz[roff + r]:
+        P = 2**(S*c - lse2) / Z, Pd = P*keep/(1-p),
         dS = P*(Z*keep/(1-p) - D) (* Gc = 1 - tanh**2 with softcap),
     without the final factor scale (applied to dq/dk at the end). dS = 0
-    wherever P = 0: a NaN/Inf of a masked V reaches Z, and 0*NaN = NaN."""
+    wherever P = 0: a NaN/Inf of a masked V reaches Z, and 0*NaN = NaN.
+    Dropout and softcap come from the record `a`."""
+    lse2, Dd, Iz = rows[0], rows[1], rows[2]
+    use_cap = a.softcap > 0.0
+    do_drop = a.dropout_p > 0.0
+    seed = a.seed
+    thresh = dropout_threshold_nb(a.dropout_p)
+    inv_keep = 1.0 / (1.0 - a.dropout_p)
     wide_vectors()
     zero = fcast(S, 0.0)
     cc = fcast(S, c)
@@ -330,40 +219,3 @@ def pv_nonfinite(Pb, nq, n, vf, voff, Ev, Evld, Vs, acc, ab):
                     p = Pb[r, j]
                     if p != zero:
                         acc[r, t] += p * x
-
-
-@njit
-def block_status_bool(mflat, base, sL, sS, nq, n):
-    """0: every (row, key) of the block masked; 1: every one kept; 2: mixed.
-
-    Reads at most nq*n mask bytes (one row when the mask broadcasts over
-    queries) - far less work than the block's GEMM, and a fully masked block
-    (padding, unused KV-cache tail) then skips its GEMMs entirely."""
-    rows = nq if sL != 0 else 1
-    cols = n if sS != 0 else 1
-    nz = 0
-    for r in range(rows):
-        o = base + r * sL
-        c = 0
-        for j in range(cols):
-            c += mflat[o + j * sS] != 0
-        nz += c
-        if nz != 0 and nz != (r + 1) * cols:
-            return 2
-    if nz == 0:
-        return 0
-    return 1
-
-
-@njit
-def block_status_float(mflat, base, sL, sS, nq, n):
-    """0 when every entry of the block is -inf (skip it), else 2."""
-    rows = nq if sL != 0 else 1
-    cols = n if sS != 0 else 1
-    ninf = fcast(mflat, -np.inf)
-    for r in range(rows):
-        o = base + r * sL
-        for j in range(cols):
-            if mflat[o + j * sS] != ninf:
-                return 2
-    return 0

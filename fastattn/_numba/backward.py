@@ -27,6 +27,7 @@ KV group and one dq accumulator (O(L*d)), plus small tiles.
 float32 uses the register-blocked kernels of _gemm.py, float64 BLAS.
 """
 import threading
+from collections import namedtuple
 
 import numpy as np
 from numba import njit, prange
@@ -37,9 +38,11 @@ from ._gemm import MR, PW
 from ._exp import exp2v
 from ._hash import dropout_bits, dropout_row_key, dropout_threshold_nb
 from ._intrinsics import FM, atomic_next, fcast, wide_vectors
-from ._tiles import (
-    active_mask_strides, block_all_finite, block_status_bool, block_status_float, score_units,
-    tile_grad, tile_pipeline)
+from ._record import numba_args, positive
+from ._scores import (
+    alibi_slope, band_partial, block_status, mask_base, needs_rows, outside_band, score_units,
+    tile_scores)
+from ._tiles import block_all_finite, tile_grad
 
 
 @njit(cache=True, fastmath=FM, nogil=True)
@@ -55,20 +58,23 @@ def _rows_prologue(r0, r1, lse, kappa, lse2):
 
 
 @njit(cache=True, fastmath=FM, nogil=True)
-def _norm_unit(u, nqc, q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi, scale,
-               softcap, q_offset, win_left, win_right, dropout_p, seed, dout, lse2, Dd, Iz, Bq,
-               Bk, Qa, Da, Kb, Vb, Ws, Wz, Wg, zs, ds):
+def _norm_unit(u, a, dout, rows, plan, ws, zs, ds):
     """Row sums of the tiles the main pass recomputes: Z = sum_j P
     (P = 2**(S*c - lse2), lse as given) and D = sum_j P dP (dP with dropout's
     keep/(1-p)), in float64, over every key a row sees, with the main pass's
-    own score code (same bits). Writes Iz = 1/Z and Dd = D/Z, so the main pass
-    uses P/Z and dS = (P/Z)(dP - D/Z): errors of the given lse (its rounding
-    scales a whole row of P) and of `out` (D from rowsum(dO*O) cancels against
-    dP where a row's attention sits on one key) do not reach the gradients.
-    Unit u = (batch, kv head, chunk c of the query blocks, nqc chunks): the
-    query blocks of chunk c of every head of the group, key blocks outer, so
-    each K/V block is packed once per unit (as in _backward_item)."""
+    own score code (same bits). Writes Iz = 1/Z and Dd = D/Z (rows = (lse2, Dd,
+    Iz)), so the main pass uses P/Z and dS = (P/Z)(dP - D/Z): errors of the given
+    lse (its rounding scales a whole row of P) and of `out` (D from rowsum(dO*O)
+    cancels against dP where a row's attention sits on one key) do not reach the
+    gradients. Unit u = (batch, kv head, chunk c of the query blocks, plan.nqc
+    chunks): the query blocks of chunk c of every head of the group, key blocks
+    outer, so each K/V block is packed once per unit (as in _backward_item).
+    zs, ds: the worker's float64 row accumulators."""
     wide_vectors()
+    q, k, v = a.q, a.k, a.v
+    lse2, Dd, Iz = rows[0], rows[1], rows[2]
+    Qa, Da, Kb, Vb, Ws, Wz, Wg = ws
+    Bq, Bk, nqc = plan.Bq, plan.Bk, plan.nqc
     B, Hq, L, E = q.shape
     Hkv = k.shape[1]
     S = k.shape[2]
@@ -91,16 +97,10 @@ def _norm_unit(u, nqc, q, k, v, mask_kind, mask_bool, mask_float, has_alibi, ali
     kf = k.reshape(-1)
     vf = v.reshape(-1)
     dof = dout.reshape(-1)
-    mbf = mask_bool.reshape(-1)
-    mff = mask_float.reshape(-1)
-    sB, sH, sL, sS = active_mask_strides(mask_kind, mask_bool, mask_float, B, Hq, L, S)
-    Ba = alibi.shape[0]
-    use_cap = softcap > 0.0
-    to_nat, c_exp, kappa = score_units(q, scale, softcap, has_alibi, mask_kind)
-    do_drop = dropout_p > 0.0
-    thresh = dropout_threshold_nb(dropout_p)
-    ik = fcast(q, 1.0 / (1.0 - dropout_p))
-    always_rows = use_cap or has_alibi
+    to_nat, c_exp, kappa = score_units(a)
+    do_drop = a.dropout_p > 0.0
+    thresh = dropout_threshold_nb(a.dropout_p)
+    ik = fcast(q, 1.0 / (1.0 - a.dropout_p))
     zero = fcast(q, 0.0)
     cc = fcast(q, c_exp)
     ab = np.empty(2, q.dtype)
@@ -111,8 +111,8 @@ def _norm_unit(u, nqc, q, k, v, mask_kind, mask_bool, mask_float, has_alibi, ali
     if qb_lo >= qb_hi:
         return
     # keys any row of the unit can see
-    s_lo = max(0, qb_lo * Bq + q_offset - win_left)
-    s_hi = min(S, min(L, qb_hi * Bq) - 1 + q_offset + win_right + 1)
+    s_lo = max(0, qb_lo * Bq + a.q_offset - a.win_left)
+    s_hi = min(S, min(L, qb_hi * Bq) - 1 + a.q_offset + a.win_right + 1)
     for hh in range(g):
         h = hk * g + hh
         for qb in range(qb_lo, qb_hi):
@@ -132,32 +132,25 @@ def _norm_unit(u, nqc, q, k, v, mask_kind, mask_bool, mask_float, has_alibi, ali
         for hh in range(g):
             h = hk * g + hh
             bh = b * Hq + h
-            slope = fcast(q, alibi[b if Ba > 1 else 0, h]) if has_alibi else zero
+            slope = alibi_slope(a, b, h)
             for qb in range(qb_lo, qb_hi):
                 i0 = qb * Bq
                 nq = min(Bq, L - i0)
                 ntq = (nq + MR - 1) // MR
-                pos_first = i0 + q_offset
-                pos_last = i0 + nq - 1 + q_offset
-                if j0 + n - 1 < pos_first - win_left or j0 > pos_last + win_right:
+                pos_first = i0 + a.q_offset
+                pos_last = i0 + nq - 1 + a.q_offset
+                if outside_band(a, j0, n, pos_first, pos_last):
                     continue
-                mbase = b * sB + h * sH + i0 * sL + j0 * sS
-                mstat = 1
-                if mask_kind == 1:
-                    mstat = block_status_bool(mbf, mbase, sL, sS, nq, n)
-                elif mask_kind == 2:
-                    mstat = block_status_float(mff, mbase, sL, sS, nq, n)
+                mbase = mask_base(a, b, h, i0, j0)
+                mstat = block_status(a, mbase, nq, n)
                 if mstat == 0:
                     continue
-                band_partial = (j0 < pos_last - win_left) or (j0 + n - 1 > pos_first + win_right)
                 rowoff = bh * L + i0
                 aoff = hh * Lp + qb * Bqp
                 b_qk(Ws, TB, Qa, aoff * Eld, qf, rowoff * E, E, ntq, nq, Kb, kf, kbase + j0 * E,
                      n, ab)
-                if always_rows or band_partial or mstat == 2:
-                    tile_pipeline(Ws, 0, nq, n, j0, pos_first, to_nat, scale, use_cap, softcap,
-                                  has_alibi, slope, mask_kind, mbf, mff, mbase, sL, sS, mstat,
-                                  band_partial, win_left, win_right, Wg, False)
+                if needs_rows(a, band_partial(a, j0, n, pos_first, pos_last), mstat):
+                    tile_scores(Ws, 0, nq, n, j0, pos_first, a, slope, mbase, mstat, Wg, False)
                 b_qk(Wz, TB, Da, aoff * Evld, dof, rowoff * Ev, Ev, ntq, nq, Vb, vf,
                      vbase + j0 * Ev, n, ab)
                 for r in range(nq):
@@ -165,7 +158,7 @@ def _norm_unit(u, nqc, q, k, v, mask_kind, mask_bool, mask_float, has_alibi, ali
                     za = 0.0
                     da = 0.0
                     if do_drop:
-                        rk = dropout_row_key(seed, bh, i0 + r)
+                        rk = dropout_row_key(a.seed, bh, i0 + r)
                         for j in range(n):
                             p = exp2v(Ws[r, j] * cc - l2)
                             ks = ik if dropout_bits(rk, j0 + j) >= thresh else zero
@@ -200,11 +193,16 @@ def _norm_unit(u, nqc, q, k, v, mask_kind, mask_bool, mask_float, has_alibi, ali
 
 
 @njit(cache=True, fastmath=FM, nogil=True)
-def _backward_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
-                   alibi, scale, softcap, q_offset, win_left, win_right, dropout_p, seed,
-                   dout, lse2, Dd, Iz, dq, dk, dv, Bq, Bk, dqp, Qa, Da, Qr, Dr, Kb, Vb, Ws, Wz,
-                   Wg, Wdk, Wdv, Wdq, Vs):
+def _backward_item(it, a, dout, rows, grads, plan, dqp, ws):
+    """Item `it` = (batch, kv head, key chunk): dk, dv of the chunk's keys (final when the key
+    block ends) and the dq contributions of the chunk (the worker's accumulator, or the item's
+    partial in dqp when keys are chunked). rows = (lse2, Dd, Iz) from _norm_unit,
+    grads = (dq, dk flat, dv flat), ws = the worker's scratch slices (workspace())."""
     wide_vectors()
+    q, k, v = a.q, a.k, a.v
+    dq, dk, dv = grads
+    Qa, Da, Qr, Dr, Kb, Vb, Ws, Wz, Wg, Wdk, Wdv, Wdq, Vs = ws
+    Bq, Bk, nchunks, csize = plan.Bq, plan.Bk, plan.nchunks, plan.csize
     B, Hq, L, E = q.shape
     Hkv = k.shape[1]
     S = k.shape[2]
@@ -222,18 +220,9 @@ def _backward_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool, mask_float
     kf = k.reshape(-1)
     vf = v.reshape(-1)
     dof = dout.reshape(-1)
-    mbf = mask_bool.reshape(-1)
-    mff = mask_float.reshape(-1)
-    sB, sH, sL, sS = active_mask_strides(mask_kind, mask_bool, mask_float, B, Hq, L, S)
-    Ba = alibi.shape[0]
-    use_cap = softcap > 0.0
-    to_nat, c_exp, kappa = score_units(q, scale, softcap, has_alibi, mask_kind)
-    do_drop = dropout_p > 0.0
-    thresh = dropout_threshold_nb(dropout_p)
-    inv_keep = 1.0 / (1.0 - dropout_p)
-    always_rows = use_cap or has_alibi
+    to_nat, c_exp, kappa = score_units(a)
     zero = fcast(q, 0.0)
-    sc = fcast(q, scale)
+    sc = fcast(q, a.scale)
     ab = np.empty(2, q.dtype)                 # BLAS alpha/beta: ab[0] = 1, ab[1] = 0
     ab[0] = fcast(q, 1.0)
     ab[1] = zero
@@ -249,8 +238,8 @@ def _backward_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool, mask_float
     # dq accumulator: the worker's own (one chunk) or this item's partial
     dqa = Wdq if nchunks == 1 else dqp[it]
     # query rows any key of the chunk can see: pos_i - win_left <= j <= pos_i + win_right
-    i_lo = max(0, s_lo - win_right - q_offset)
-    i_hi = min(L, s_hi - 1 + win_left - q_offset + 1)
+    i_lo = max(0, s_lo - a.win_right - a.q_offset)
+    i_hi = min(L, s_hi - 1 + a.win_left - a.q_offset + 1)
     qb_lo = i_lo // Bq
     qb_hi = (i_hi + Bq - 1) // Bq if i_hi > i_lo else qb_lo
     for x in range(g * Lp * Eld):
@@ -279,35 +268,27 @@ def _backward_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool, mask_float
         for hh in range(g):
             h = hk * g + hh
             bh = b * Hq + h
-            slope = fcast(q, alibi[b if Ba > 1 else 0, h]) if has_alibi else zero
+            slope = alibi_slope(a, b, h)
             for qb in range(qb_lo, qb_hi):
                 i0 = qb * Bq
                 nq = min(Bq, L - i0)
                 ntq = (nq + MR - 1) // MR
-                pos_first = i0 + q_offset
-                pos_last = i0 + nq - 1 + q_offset
-                if j0 + n - 1 < pos_first - win_left or j0 > pos_last + win_right:
+                pos_first = i0 + a.q_offset
+                pos_last = i0 + nq - 1 + a.q_offset
+                if outside_band(a, j0, n, pos_first, pos_last):
                     continue                  # tile outside the band
-                mbase = b * sB + h * sH + i0 * sL + j0 * sS
-                mstat = 1
-                if mask_kind == 1:
-                    mstat = block_status_bool(mbf, mbase, sL, sS, nq, n)
-                elif mask_kind == 2:
-                    mstat = block_status_float(mff, mbase, sL, sS, nq, n)
+                mbase = mask_base(a, b, h, i0, j0)
+                mstat = block_status(a, mbase, nq, n)
                 if mstat == 0:
                     continue                  # every (query, key) of the tile masked
-                band_partial = (j0 < pos_last - win_left) or (j0 + n - 1 > pos_first + win_right)
                 rowoff = bh * L + i0
                 aoff = (hh * Lp + qb * Bqp)
                 b_qk(Ws, TB, Qa, aoff * Eld, qf, rowoff * E, E, ntq, nq, Kb, kf, kbase + j0 * E, n, ab)
-                if always_rows or band_partial or mstat == 2:
-                    tile_pipeline(Ws, 0, nq, n, j0, pos_first, to_nat, scale, use_cap, softcap,
-                                  has_alibi, slope, mask_kind, mbf, mff, mbase, sL, sS, mstat,
-                                  band_partial, win_left, win_right, Wg, True)
+                if needs_rows(a, band_partial(a, j0, n, pos_first, pos_last), mstat):
+                    tile_scores(Ws, 0, nq, n, j0, pos_first, a, slope, mbase, mstat, Wg, True)
                 b_qk(Wz, TB, Da, aoff * Evld, dof, rowoff * Ev, Ev, ntq, nq, Vb, vf,
                      vbase + j0 * Ev, n, ab)
-                tile_grad(Ws, Wz, Wg, nq, n, c_exp, lse2, Dd, Iz, rowoff, use_cap, do_drop, seed,
-                          bh, i0, j0, thresh, inv_keep)
+                tile_grad(Ws, Wz, Wg, nq, n, a, c_exp, rows, rowoff, bh, i0, j0)
                 b_tn(Wdv, TB, Evp // MR, Ev, Dr, aoff * Evp, Evp, dof, rowoff * Ev, Ev, Wz, TB,
                      nq, n, ab)
                 b_tn(Wdk, TB, Ep // MR, E, Qr, aoff * Ep, Ep, qf, rowoff * E, E, Ws, TB, nq, n, ab)
@@ -356,38 +337,44 @@ def _merge_dq(bk, nchunks, dqp, dq, Hkv, g, L, E, Bq, Lp, sc, tmp):
     _write_dq(tmp, dq, b, hk, g, L, E, Bq, Lp, sc)
 
 
+# Blocks of a backward call: query/key block sizes, key chunk length and count, threads,
+# query-block chunks of the _norm_unit pass.
+BwdPlan = namedtuple("BwdPlan", "Bq Bk csize nchunks nthreads nqc")
+
+
 @njit(parallel=True, cache=True, nogil=True)
-def _backward_kernel(q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi, scale,
-                     softcap, q_offset, win_left, win_right, dropout_p, seed, dout, out, lse,
-                     dq, dk, dv, Bq, Bk, csize, nch, nthreads, dqp, Dd, lse2, Iz, zsum,
-                     wQ, wD, wQr, wDr, wK, wV, wS, wZ, wG, wdk, wdv, wdq, wVs):
+def _backward_kernel(a, dout, lse, grads, plan, rows, dqp, zsum, ws):
+    """Parallel body of backward(): rows = (lse2, Dd, Iz) per query row, filled here;
+    ws = the stacked per-worker scratch arrays (workspace())."""
+    q, k = a.q, a.k
+    dq, dk, dv = grads
+    lse2 = rows[0]
+    Bq = plan.Bq
+    nthreads = plan.nthreads
     B, Hq, L, E = q.shape
     Hkv = k.shape[1]
     g = Hq // Hkv
-    kappa = score_units(q, scale, softcap, has_alibi, mask_kind)[2]
+    kappa = score_units(a)[2]
     R = B * Hq * L
     nr = min(R, 4 * nthreads)
     per = (R + nr - 1) // nr
     for x in prange(nr):
         _rows_prologue(x * per, min(R, x * per + per), lse, kappa, lse2)
+    wQ, wD, wQr, wDr, wK, wV, wS, wZ, wG, wdk, wdv, wdq, wVs = ws
     # Z = sum_j P and D = sum_j P dP from the tiles (_norm_unit); units (batch,
     # kv head, chunk of query blocks), chunks only when B*Hkv alone cannot keep
     # every thread busy
     nqb = (L + Bq - 1) // Bq
-    bhk = B * Hkv
-    nqc = 1 if bhk >= 2 * nthreads else min(nqb, (2 * nthreads + bhk - 1) // bhk)
-    n_units = bhk * nqc
+    n_units = B * Hkv * plan.nqc
     ucount = np.zeros(1, np.int64)
     for w in prange(min(nthreads, n_units)):
         while True:
             u = atomic_next(ucount)
             if u >= n_units:
                 break
-            _norm_unit(u, nqc, q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi, scale,
-                       softcap, q_offset, win_left, win_right, dropout_p, seed, dout, lse2, Dd,
-                       Iz, Bq, Bk, wQ[w], wD[w], wK[w], wV[w], wS[w], wZ[w], wG[w], zsum[w, 0],
-                       zsum[w, 1])
-    n_items = B * Hkv * nch
+            _norm_unit(u, a, dout, rows, plan, (wQ[w], wD[w], wK[w], wV[w], wS[w], wZ[w], wG[w]),
+                       zsum[w, 0], zsum[w, 1])
+    n_items = B * Hkv * plan.nchunks
     dkf = dk.reshape(-1)
     dvf = dv.reshape(-1)
     # one prange iteration per worker; workers claim items from an atomic
@@ -398,16 +385,14 @@ def _backward_kernel(q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi
             it = atomic_next(counter)
             if it >= n_items:
                 break
-            _backward_item(it, nch, csize, q, k, v, mask_kind, mask_bool, mask_float,
-                           has_alibi, alibi, scale, softcap, q_offset, win_left, win_right,
-                           dropout_p, seed, dout, lse2, Dd, Iz, dq, dkf, dvf, Bq, Bk, dqp,
-                           wQ[w], wD[w], wQr[w], wDr[w], wK[w], wV[w], wS[w], wZ[w], wG[w],
-                           wdk[w], wdv[w], wdq[w], wVs[w])
-    if nch > 1:
+            _backward_item(it, a, dout, rows, (dq, dkf, dvf), plan, dqp,
+                           (wQ[w], wD[w], wQr[w], wDr[w], wK[w], wV[w], wS[w], wZ[w], wG[w],
+                            wdk[w], wdv[w], wdq[w], wVs[w]))
+    if plan.nchunks > 1:
         Lp = nqb * (((Bq + MR - 1) // MR) * MR)
         for x in prange(B * Hkv):
             tmp = np.empty(dqp.shape[1], q.dtype)
-            _merge_dq(x, nch, dqp, dq, Hkv, g, L, E, Bq, Lp, fcast(q, scale), tmp)
+            _merge_dq(x, plan.nchunks, dqp, dq, Hkv, g, L, E, Bq, Lp, fcast(q, a.scale), tmp)
 
 
 def backward_chunks(B, Hkv, S, n_threads, Bk):
@@ -460,36 +445,40 @@ def workspace(dtype, T, g, L, E, Ev, Bq, Bk, softcap, n_items, nchunks):
     return res
 
 
-def backward(q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi, scale, softcap,
-             q_offset, win_left, win_right, dropout_p, seed, dout, out, lse, dq, dk, dv,
-             n_threads, block_q=None, block_k=None, nchunks=None):
-    """docs/KERNELS.md backward; block_q/block_k/nchunks override the defaults (tests, bench)."""
+def backward(args, dout, out, lse, dq, dk, dv, dsinks):
+    """docs/KERNELS.md backward of the record `args` (KernelArgs); args.tuning.bwd_block_q,
+    bwd_block_k and bwd_chunks override the defaults (0 = choose). `out` is not read (D comes
+    from the recomputed tiles, see the module docstring)."""
+    q, k, v = args.q, args.k, args.v
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     Ev = v.shape[3]
+    t = args.tuning
+    Bq = positive("bwd_block_q", t.bwd_block_q, 128)
+    Bk = positive("bwd_block_k", t.bwd_block_k, 128)
+    nchunks = positive("bwd_chunks", t.bwd_chunks, 0)
     if B * Hq * L == 0 or S == 0:
         dq[...] = 0
         dk[...] = 0
         dv[...] = 0
         return
     prime_blas()
-    Bq = int(block_q) if block_q is not None else 128
-    Bk = int(block_k) if block_k is not None else 128
     g = Hq // Hkv
-    with blas_single_thread, numba_threads(n_threads) as T:
-        nc = int(nchunks) if nchunks is not None else backward_chunks(B, Hkv, S, T, Bk)
+    with blas_single_thread, numba_threads(args.n_threads) as T:
+        nc = nchunks if nchunks else backward_chunks(B, Hkv, S, T, Bk)
         # chunk length: a multiple of Bk, so only a chunk's last block is short
         csize = -(-(-(-S // max(nc, 1))) // Bk) * Bk
         nc = -(-S // csize)
         n_items = B * Hkv * nc
         T = max(1, min(T, n_items))
-        ws = workspace(q.dtype, T, g, L, E, Ev, Bq, Bk, softcap, n_items, nc)
-        Dd = np.empty(B * Hq * L, q.dtype)
-        lse2 = np.empty(B * Hq * L, q.dtype)
-        Iz = np.empty(B * Hq * L, q.dtype)
+        ws = workspace(q.dtype, T, g, L, E, Ev, Bq, Bk, args.softcap, n_items, nc)
+        rows = tuple(np.empty(B * Hq * L, q.dtype) for _ in range(3))   # lse2, Dd, Iz
         zsum = np.empty((T, 2, g * -(-L // Bq) * (-(-Bq // MR) * MR)))
-        _backward_kernel(q, k, v, int(mask_kind), mask_bool, mask_float, bool(has_alibi), alibi,
-                         float(scale), float(softcap), int(q_offset), int(win_left),
-                         int(win_right), float(dropout_p), int(seed), dout, out, lse, dq, dk, dv,
-                         Bq, Bk, csize, nc, T, ws[0], Dd, lse2, Iz, zsum,
-                         *ws[1:])
+        # query-block chunks of the _norm_unit pass: only when B*Hkv alone cannot keep every
+        # thread busy (T here is the thread count the kernel's prange loops run with)
+        nqb = -(-L // Bq)
+        bhk = B * Hkv
+        nqc = 1 if bhk >= 2 * T else min(nqb, -(-2 * T // bhk))
+        plan = BwdPlan(Bq, Bk, csize, nc, T, nqc)
+        _backward_kernel(numba_args(args), dout, lse, (dq, dk, dv), plan, rows, ws[0], zsum,
+                         ws[1:])

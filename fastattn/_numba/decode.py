@@ -10,6 +10,8 @@ Threads claim items from an atomic counter. float32 uses the register-
 blocked kernels of _gemm.py for both products (scores of a single query row,
 MHA decode, as dot products: _gemm.dec_qk_dot), float64 uses BLAS.
 """
+from collections import namedtuple
+
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
@@ -18,9 +20,11 @@ from ._blas import blas_single_thread, gemm_nn, gemm_nt, numba_threads, prime_bl
 from ._exp import exp2v
 from ._hash import dropout_threshold_nb
 from ._intrinsics import FM, atomic_next, fcast, fmax_nan, wide_vectors
-from ._tiles import (
-    active_mask_strides, block_all_finite, block_status_bool, block_status_float, pv_nonfinite,
-    score_units, tile_dropout, tile_online, tile_pipeline)
+from ._record import numba_args, positive
+from ._scores import (
+    alibi_slope, band_partial, group_block_status, mask_base, needs_rows, score_units,
+    tile_scores)
+from ._tiles import block_all_finite, pv_nonfinite, tile_dropout, tile_online
 from ._gemm import MR, dec_qk, dec_qk_dot, gemm_pv_stream, gemm_pv_stream_row
 
 
@@ -72,10 +76,13 @@ def _dec_pv_ol(acc, Evld, Pb, Bk, vf, voff, Ev, n, R, ab):
 
 
 @njit(cache=True, fastmath=FM, nogil=True)
-def _decode_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool,
-                 mask_float, has_alibi, alibi, scale, softcap, q_offset,
-                 win_left, win_right, dropout_p, seed, Bk, pm, pl, pacc):
+def _decode_item(it, a, plan, pm, pl, pacc):
+    """Item `it` = (batch, kv head, key chunk) of the call `a` (_record.NumbaArgs): the scores
+    of every query row of the KV group against the chunk's keys, left as partials (running
+    max, sum, unnormalized acc) in pm/pl/pacc[it] for _decode_merge."""
     wide_vectors()
+    q, k, v = a.q, a.k, a.v
+    Bk, nchunks, csize = plan.Bk, plan.nchunks, plan.csize
     B, Hq, L, E = q.shape
     Hkv = k.shape[1]
     S = k.shape[2]
@@ -87,15 +94,10 @@ def _decode_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool,
     qf = q.reshape(-1)
     kf = k.reshape(-1)
     vf = v.reshape(-1)
-    mbf = mask_bool.reshape(-1)
-    mff = mask_float.reshape(-1)
-    sB, sH, sL, sS = active_mask_strides(mask_kind, mask_bool, mask_float, B, Hq, L, S)
-    Ba = alibi.shape[0]
-    use_cap = softcap > 0.0
-    # natural scores only where softcap/ALiBi/float mask need them (_tiles.py)
-    to_nat, c_exp, kappa = score_units(q, scale, softcap, has_alibi, mask_kind)
-    do_drop = dropout_p > 0.0
-    thresh = dropout_threshold_nb(dropout_p)
+    # natural scores only where softcap/ALiBi/float mask need them (_scores.py)
+    to_nat, c_exp, kappa = score_units(a)
+    do_drop = a.dropout_p > 0.0
+    thresh = dropout_threshold_nb(a.dropout_p)
     ninf = fcast(q, -np.inf)
     one = fcast(q, 1.0)
     zero = fcast(q, 0.0)
@@ -130,11 +132,10 @@ def _decode_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool,
     ab[1] = zero
 
     # union of the rows' bands, clipped to this chunk
-    pos_min = q_offset
-    pos_max = L - 1 + q_offset
-    jlo = max(c_lo, pos_min - win_left)
-    jhi = min(c_hi - 1, pos_max + win_right)
-    always_rows = use_cap or has_alibi
+    pos_min = a.q_offset
+    pos_max = L - 1 + a.q_offset
+    jlo = max(c_lo, pos_min - a.win_left)
+    jhi = min(c_hi - 1, pos_max + a.win_right)
     kbase = (b * Hkv + hk) * S * E
     vbase = (b * Hkv + hk) * S * Ev
 
@@ -143,47 +144,27 @@ def _decode_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool,
         while j0 <= jhi:
             n = min(Bk, jhi + 1 - j0)
             # mask status over the whole group tile (all heads, all rows)
-            mstat = 1
-            if mask_kind != 0:
-                mstat = 0
-                for hh in range(g):
-                    base = b * sB + (hk * g + hh) * sH + j0 * sS
-                    if mask_kind == 1:
-                        st = block_status_bool(mbf, base, sL, sS, L, n)
-                    else:
-                        st = block_status_float(mff, base, sL, sS, L, n)
-                    if hh == 0:
-                        mstat = st
-                    elif st != mstat:
-                        mstat = 2
-                    if mstat == 2:
-                        break
+            mstat = group_block_status(a, b, hk * g, g, L, j0, n)
             if mstat != 0:
                 _dec_qk(Sb, Bk, Qs, Qt, SbT, R, E, Eld, kf, kbase + j0 * E, n, ab)
-                for hh in range(g):
-                    # rows hh*L .. hh*L+L-1 belong to query head h
-                    h = hk * g + hh
-                    r0 = hh * L
-                    band_partial = (j0 < pos_max - win_left) or (j0 + n - 1 > pos_min + win_right)
-                    if always_rows or band_partial or mstat == 2:
-                        slope = zero
-                        if has_alibi:
-                            slope = fcast(q, alibi[b if Ba > 1 else 0, h])
-                        tile_pipeline(Sb, r0, r0 + L, n, j0, q_offset, to_nat, scale,
-                                      use_cap, softcap, has_alibi, slope, mask_kind,
-                                      mbf, mff, b * sB + h * sH + j0 * sS, sL,
-                                      sS, mstat, band_partial, win_left,
-                                      win_right, Sb, False)
+                # every head's rows sit at the same positions: one band status for the tile
+                partial = band_partial(a, j0, n, pos_min, pos_max)
+                if needs_rows(a, partial, mstat):
+                    for hh in range(g):
+                        # rows hh*L .. hh*L+L-1 belong to query head h
+                        h = hk * g + hh
+                        tile_scores(Sb, hh * L, hh * L + L, n, j0, a.q_offset, a,
+                                    alibi_slope(a, b, h), mask_base(a, b, h, 0, j0), mstat,
+                                    Sb, False)
                 tile_online(Sb, Pb, 0, R, n, m, lsum, acc, Ev, c_exp)
                 if do_drop:
                     for hh in range(g):
-                        tile_dropout(Pb, hh * L, hh * L + L, n, seed,
+                        tile_dropout(Pb, hh * L, hh * L + L, n, a.seed,
                                      b * Hq + hk * g + hh, 0, j0, thresh)
                 voff = vbase + j0 * Ev
                 # no exact path where no weight is zeroed by a mask/dropout
                 # (see forward.py)
-                band_any = (j0 < pos_max - win_left) or (j0 + n - 1 > pos_min + win_right)
-                if (mstat == 1 and not band_any and not do_drop) or \
+                if (mstat == 1 and not partial and not do_drop) or \
                         block_all_finite(vf, voff, n * Ev):
                     _dec_pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, R, ab)
                 else:
@@ -200,12 +181,17 @@ def _decode_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool,
 
 
 @njit(fastmath=FM)
-def _decode_merge(bk, nchunks, pm, pl, pacc, out, lse, g, L, Hkv, inv_keep, kappa):
+def _decode_merge(bk, a, plan, pm, pl, pacc, out, lse, kappa):
     """Log-sum-exp merge of the chunk partials of one (batch, kv head).
 
     The weighted sum and the final factor 1/(1-p) / l are formed in float64,
     so a float32 output is rounded once (a single chunk passes through
     exactly: its weight is 2**0). lse as in _tiles.tile_finalize."""
+    nchunks = plan.nchunks
+    L = a.q.shape[2]
+    Hkv = a.k.shape[1]
+    g = a.q.shape[1] // Hkv
+    inv_keep = 1.0 / (1.0 - a.dropout_p)
     Ev = out.shape[3]
     R = g * L
     b = bk // Hkv
@@ -243,40 +229,35 @@ def _decode_merge(bk, nchunks, pm, pl, pacc, out, lse, g, L, Hkv, inv_keep, kapp
         lse[b, h, i] = np.float64(M) * kappa + np.log(ltot)
 
 
+# Blocks of a decode call: keys per block, chunk length (a multiple of Bk), chunks per
+# (batch, kv head), threads.
+DecPlan = namedtuple("DecPlan", "Bk csize nchunks nthreads")
+
+
 @njit(parallel=True, cache=True, nogil=True)
-def _decode_kernel(q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
-                   alibi, scale, softcap, q_offset, win_left, win_right,
-                   dropout_p, seed, out, lse, Bk, nchunks, nthreads):
-    B, Hq, L, E = q.shape
-    Hkv = k.shape[1]
-    S = k.shape[2]
-    Ev = v.shape[3]
+def _decode_kernel(a, out, lse, plan):
+    B, Hq, L, E = a.q.shape
+    Hkv = a.k.shape[1]
+    Ev = a.v.shape[3]
     g = Hq // Hkv
     R = g * L
-    # chunk length: a multiple of Bk so only the last block of a chunk is short
-    csize = (S + nchunks - 1) // nchunks
-    csize = ((csize + Bk - 1) // Bk) * Bk
-    csize = max(csize, 1)
-    nchunks = max(1, (S + csize - 1) // csize)
+    nchunks = plan.nchunks
     n_items = B * Hkv * nchunks
-    pm = np.empty((n_items, R), q.dtype)
-    pl = np.empty((n_items, R), q.dtype)
-    pacc = np.empty((n_items, R, max(Ev, 1)), q.dtype)
+    pm = np.empty((n_items, R), a.q.dtype)
+    pl = np.empty((n_items, R), a.q.dtype)
+    pacc = np.empty((n_items, R, max(Ev, 1)), a.q.dtype)
     # workers claim items dynamically (see forward): decode items are few and
     # large, so one slow thread would otherwise set the call's time
     counter = np.zeros(1, np.int64)
-    for w in prange(min(nthreads, n_items)):
+    for w in prange(min(plan.nthreads, n_items)):
         while True:
             it = atomic_next(counter)
             if it >= n_items:
                 break
-            _decode_item(it, nchunks, csize, q, k, v, mask_kind, mask_bool,
-                         mask_float, has_alibi, alibi, scale, softcap, q_offset,
-                         win_left, win_right, dropout_p, seed, Bk, pm, pl, pacc)
-    kappa = score_units(q, scale, softcap, has_alibi, mask_kind)[2]
+            _decode_item(it, a, plan, pm, pl, pacc)
+    kappa = score_units(a)[2]
     for bk in prange(B * Hkv):
-        _decode_merge(bk, nchunks, pm, pl, pacc, out, lse, g, L, Hkv,
-                      1.0 / (1.0 - dropout_p), kappa)
+        _decode_merge(bk, a, plan, pm, pl, pacc, out, lse, kappa)
 
 
 def decode_chunks(B, Hkv, S, n_threads, Bk):
@@ -289,24 +270,24 @@ def decode_chunks(B, Hkv, S, n_threads, Bk):
     return max(1, min(want, -(-S // Bk)))
 
 
-def decode(q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi,
-           scale, softcap, q_offset, win_left, win_right, dropout_p, seed,
-           out, lse, n_threads, block_k=None, nchunks=None):
-    """docs/KERNELS.md decode (same arguments as forward)."""
+def decode(args, out, lse):
+    """docs/KERNELS.md decode of the record `args` (KernelArgs); args.tuning.decode_block_k
+    overrides the key block (0 = choose)."""
+    q, k = args.q, args.k
     B, Hq, L, E = q.shape
     Hkv = k.shape[1]
     S = k.shape[2]
-    if B * Hq * L == 0:
-        return
-    prime_blas()
     # Bk = 1024: fewer per-block passes (Q transpose, softmax set-up, tile
     # transposition) over a stream that is memory-bound anyway. B1 Hq32 Hkv8
     # L1 S16384 d128, 2 threads, interleaved in one process, median ms:
     # Bk 512 / 768 / 1024 = 10.2 / 9.0 / 9.2, and 10.8 / - / 9.8, 13.5 / - / 13.0
-    Bk = int(block_k) if block_k is not None else 1024
-    with blas_single_thread, numba_threads(n_threads) as nt:
-        nc = int(nchunks) if nchunks is not None else decode_chunks(B, Hkv, S, nt, Bk)
-        _decode_kernel(q, k, v, int(mask_kind), mask_bool, mask_float,
-                       bool(has_alibi), alibi, float(scale), float(softcap),
-                       int(q_offset), int(win_left), int(win_right),
-                       float(dropout_p), int(seed), out, lse, Bk, nc, nt)
+    Bk = positive("decode_block_k", args.tuning.decode_block_k, 1024)
+    if B * Hq * L == 0:
+        return
+    prime_blas()
+    with blas_single_thread, numba_threads(args.n_threads) as nt:
+        nc = decode_chunks(B, Hkv, S, nt, Bk)
+        # chunk length: a multiple of Bk so only the last block of a chunk is short
+        csize = max(-(-(-(-S // nc)) // Bk) * Bk, 1)
+        nc = max(1, -(-S // csize))
+        _decode_kernel(numba_args(args), out, lse, DecPlan(Bk, csize, nc, nt))

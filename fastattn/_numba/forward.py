@@ -11,6 +11,7 @@ blocked kernel of _gemm.py on a once-per-call panel layout of K; float64
 tiles use BLAS through numba_xxgemm (beta=1 accumulation, no temporaries).
 """
 import threading
+from collections import namedtuple
 
 import numpy as np
 from numba import njit, prange, types
@@ -19,9 +20,11 @@ from numba.extending import overload
 from ._blas import blas_single_thread, gemm_nn, gemm_nt, numba_threads, prime_blas
 from ._hash import dropout_threshold_nb
 from ._intrinsics import FM, atomic_next, fcast, prefetch_l2, wide_vectors
+from ._record import numba_args, positive
+from ._scores import (
+    alibi_slope, band_partial, block_status, mask_base, needs_rows, score_units, tile_scores)
 from ._tiles import (
-    active_mask_strides, block_all_finite, block_status_bool, block_status_float, pv_nonfinite,
-    score_units, tile_dropout, tile_finalize, tile_online, tile_pipeline, zero_past_limit)
+    block_all_finite, pv_nonfinite, tile_dropout, tile_finalize, tile_online, zero_past_limit)
 from ._gemm import MR, NO_LIMIT, PW, gemm_pv, gemm_qk, pack_k_panel, pack_q_tiles
 
 
@@ -130,15 +133,16 @@ PF_ROWS = 8
 
 
 @njit(cache=True, fastmath=FM, nogil=True)
-def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
-                  alibi, scale, softcap, q_offset, win_left, win_right,
-                  dropout_p, seed, out, lse, Bq, Bk, reverse_q, Kp,
-                  Qx, Sb, Pb, acc, m, lsum, Kl, local_pack, pf_it):
-    """One (batch*head, query-block) item. pf_it: the item this worker runs
-    next (-1: none), whose first Q/K/V rows are prefetched during this one. Kept out of the prange body so the
-    parfor passes see a trivial loop (compile time) and so this function can
-    carry the 512-bit vector-width hint."""
+def _forward_item(it, a, out, lse, plan, Kp, ws, pf_it):
+    """One (batch*head, query-block) item of the call `a` (_record.NumbaArgs), blocks as in
+    `plan` (FwdPlan), scratch `ws` (the worker's slices of the workspace, see workspace()).
+    pf_it: the item this worker runs next (-1: none), whose first Q/K/V rows are prefetched
+    during this one. Kept out of the prange body so the parfor passes see a trivial loop
+    (compile time) and so this function can carry the 512-bit vector-width hint."""
     wide_vectors()
+    q, k, v = a.q, a.k, a.v
+    Qx, Sb, Pb, acc, m, lsum, Kl = ws
+    Bq, Bk, reverse_q, local_pack = plan.Bq, plan.Bk, plan.reverse_q, plan.local_pack
     B, Hq, L, E = q.shape
     Hkv = k.shape[1]
     S = k.shape[2]
@@ -152,23 +156,16 @@ def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
     kf = k.reshape(-1)
     vf = v.reshape(-1)
     of = out.reshape(-1)
-    mbf = mask_bool.reshape(-1)
-    mff = mask_float.reshape(-1)
-    sB, sH, sL, sS = active_mask_strides(mask_kind, mask_bool, mask_float, B, Hq, L, S)
-    Ba = alibi.shape[0]
 
-    use_cap = softcap > 0.0
     # the tile is turned into natural scores only when softcap, ALiBi or a
     # float mask need them; otherwise the scale goes into the exp's FMA
-    to_nat, c_exp, kappa = score_units(q, scale, softcap, has_alibi, mask_kind)
-    do_drop = dropout_p > 0.0
-    thresh = dropout_threshold_nb(dropout_p)
-    inv_keep = 1.0 / (1.0 - dropout_p)
+    to_nat, c_exp, kappa = score_units(a)
+    do_drop = a.dropout_p > 0.0
+    thresh = dropout_threshold_nb(a.dropout_p)
+    inv_keep = 1.0 / (1.0 - a.dropout_p)
     ninf = fcast(q, -np.inf)
     one = fcast(q, 1.0)
     zero = fcast(q, 0.0)
-    # per-element transforms that must run on every block
-    always_rows = use_cap or has_alibi
 
     bh = it // nqb
     qb = it - bh * nqb
@@ -199,14 +196,11 @@ def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
     qoff = ((b * Hq + h) * L + i0) * E
     _prep_q(qf, qoff, nq, E, Qp, ntiles)
 
-    pos_first = i0 + q_offset
-    pos_last = i0 + nq - 1 + q_offset
-    jlo = max(0, pos_first - win_left)
-    jhi = min(S - 1, pos_last + win_right)
-    slope = zero
-    if has_alibi:
-        slope = fcast(q, alibi[b if Ba > 1 else 0, h])
-    mbase = b * sB + h * sH + i0 * sL
+    pos_first = i0 + a.q_offset
+    pos_last = i0 + nq - 1 + a.q_offset
+    jlo = max(0, pos_first - a.win_left)
+    jhi = min(S - 1, pos_last + a.win_right)
+    slope = alibi_slope(a, b, h)
     kbase = (b * Hkv + hk) * S * E
     vbase = (b * Hkv + hk) * S * Ev
 
@@ -243,23 +237,19 @@ def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
     while j0 <= jhi:
         n = min(Bk, jhi + 1 - j0)
         # block status: 0 skip, 1 no per-element mask, 2 mixed
-        mstat = 1
-        if mask_kind == 1:
-            mstat = block_status_bool(mbf, mbase + j0 * sS, sL, sS, nq, n)
-        elif mask_kind == 2:
-            mstat = block_status_float(mff, mbase + j0 * sS, sL, sS, nq, n)
+        mbase = mask_base(a, b, h, i0, j0)
+        mstat = block_status(a, mbase, nq, n)
         if mstat == 0:
             j0 += Bk
             continue
-        band_partial = (j0 < pos_last - win_left) or (j0 + n - 1 > pos_first + win_right)
-        need_rows = always_rows or band_partial or mstat == 2
+        partial = band_partial(a, j0, n, pos_first, pos_last)
         # the band's right edge cuts the block: row r needs the keys below r + dlim only. The
         # float32 products and the softmax then skip, per micro-tile, what none of its rows
         # needs (the diagonal block of a causal item: ~12% of L = S = 2048's tiles); the band
-        # pass of tile_pipeline masks the rest of each row. BLAS (float64) does whole blocks.
+        # pass of tile_scores masks the rest of each row. BLAS (float64) does whole blocks.
         dlim = NO_LIMIT
-        if _packed(q) and pos_first + win_right - j0 + 1 < n:
-            dlim = pos_first + win_right - j0 + 1
+        if _packed(q) and pos_first + a.win_right - j0 + 1 < n:
+            dlim = pos_first + a.win_right - j0 + 1
 
         if local_pack:
             # K used by this item only: lay out just this block's panels in the
@@ -274,11 +264,8 @@ def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
             _qk(Sb, Bk, qf, qoff, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp,
                 (b * Hkv + hk) * ((S + PW - 1) // PW) * E * PW, ab, dlim)
 
-        if need_rows:
-            tile_pipeline(Sb, 0, nq, n, j0, pos_first, to_nat, scale, use_cap,
-                          softcap, has_alibi, slope, mask_kind, mbf, mff,
-                          mbase + j0 * sS, sL, sS, mstat, band_partial,
-                          win_left, win_right, Sb, False)
+        if needs_rows(a, partial, mstat):
+            tile_scores(Sb, 0, nq, n, j0, pos_first, a, slope, mbase, mstat, Sb, False)
         if j0 + Bk > jhi and pf_it >= 0:
             # last key block: softmax in row chunks, prefetching between them
             for c in range(pf_nch):
@@ -291,7 +278,7 @@ def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
         else:
             tile_online(Sb, Pb, 0, nq, n, m, lsum, acc, Ev, c_exp, dlim)
         if do_drop:
-            tile_dropout(Pb, 0, nq, n, seed, bh, i0, j0, thresh)
+            tile_dropout(Pb, 0, nq, n, a.seed, bh, i0, j0, thresh)
 
         voff = vbase + j0 * Ev
         # The exact path only matters where a weight is exactly 0 because of a
@@ -299,7 +286,7 @@ def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
         # an underflow that the float64 reference also multiplies with the
         # NaN/Inf, so the check (a first read of V: ~6 us per 256x64 block,
         # ~3% of a B4 H8 L256 item) is skipped; the cython kernel does the same.
-        if (mstat == 1 and not band_partial and not do_drop) or \
+        if (mstat == 1 and not partial and not do_drop) or \
                 block_all_finite(vf, voff, n * Ev):
             _pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab, dlim)
         else:
@@ -313,23 +300,27 @@ def _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
                   lse.reshape(-1), (b * Hq + h) * L + i0, inv_keep, kappa)
 
 
+# Blocks of a forward call (chosen in forward() from the shapes and KernelArgs.tuning).
+FwdPlan = namedtuple("FwdPlan", "Bq Bk reverse_q local_pack")
+
+
 @njit(parallel=True, cache=True, nogil=True)
-def _forward_kernel(q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
-                    alibi, scale, softcap, q_offset, win_left, win_right,
-                    dropout_p, seed, out, lse, Bq, Bk, reverse_q, local_pack,
-                    Kp, wQ, wS, wP, wA, wM, wL, wK):
+def _forward_kernel(a, out, lse, plan, Kp, ws):
+    """Parallel body of forward(): ws are the stacked per-worker scratch arrays (workspace())."""
+    q, k = a.q, a.k
     B, Hq, L, E = q.shape
     Hkv = k.shape[1]
     S = k.shape[2]
-    nqb = (L + Bq - 1) // Bq
+    nqb = (L + plan.Bq - 1) // plan.Bq
     # float32: K re-laid out once per call as PW-key panels for the
     # micro-kernel, into Kp (from the caller's workspace; size of K rounded
     # up to whole panels); float64 gets a dummy and no pass.
     npan = (S + PW - 1) // PW
     packed = _packed(q)
-    for x in prange(B * Hkv * npan if (packed and not local_pack) else 0):
+    for x in prange(B * Hkv * npan if (packed and not plan.local_pack) else 0):
         _pack_k(k, Kp, x)
     n_items = B * Hq * nqb
+    wQ, wS, wP, wA, wM, wL, wK = ws
     T = wQ.shape[0]
     # one prange iteration per worker, each with its own scratch slice;
     # workers claim items dynamically from an atomic counter (causal items
@@ -349,11 +340,8 @@ def _forward_kernel(q, k, v, mask_kind, mask_bool, mask_float, has_alibi,
             pf = -1
             if nxt < n_items:
                 pf = nxt
-            _forward_item(it, q, k, v, mask_kind, mask_bool, mask_float,
-                          has_alibi, alibi, scale, softcap, q_offset, win_left,
-                          win_right, dropout_p, seed, out, lse, Bq, Bk,
-                          reverse_q, Kp, wQ[w], wS[w], wP[w], wA[w], wM[w], wL[w],
-                          wK[w], local_pack, pf)
+            _forward_item(it, a, out, lse, plan, Kp,
+                          (wQ[w], wS[w], wP[w], wA[w], wM[w], wL[w], wK[w]), pf)
             if early:
                 it = nxt
             else:
@@ -409,26 +397,24 @@ def workspace(dtype, T, Bq, Bk, E, Ev, kp_size, local_pack=False):
     return (Kp,) + arrs
 
 
-def forward(q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi,
-            scale, softcap, q_offset, win_left, win_right, dropout_p, seed,
-            out, lse, n_threads, block_q=None, block_k=None):
-    """docs/KERNELS.md forward. block_q/block_k override the heuristic (bench)."""
+def forward(args, out, lse):
+    """docs/KERNELS.md forward of the record `args` (KernelArgs); args.tuning.block_q/block_k
+    override the block heuristic (0 = choose)."""
+    q, k, v = args.q, args.k, args.v
     B, Hq, L, E = q.shape
     S = k.shape[2]
     Ev = v.shape[3]
+    Bq, Bk = block_sizes(L, S, E, Ev, q.itemsize, args.n_threads, B, Hq)
+    Bq = positive("block_q", args.tuning.block_q, Bq)
+    Bk = positive("block_k", args.tuning.block_k, Bk)
     if B * Hq * L == 0:
         return
     prime_blas()
-    Bq, Bk = block_sizes(L, S, E, Ev, q.itemsize, n_threads, B, Hq)
-    if block_q is not None:
-        Bq = int(block_q)
-    if block_k is not None:
-        Bk = int(block_k)
     if q.dtype == np.float32:
         # key blocks must start on K-panel boundaries
         Bk = max(PW, -(-Bk // PW) * PW)
-    reverse_q = win_right < S
-    with blas_single_thread, numba_threads(n_threads) as T:
+    reverse_q = args.win_right < S
+    with blas_single_thread, numba_threads(args.n_threads) as T:
         nqb = -(-L // Bq)
         T = max(1, min(T, B * Hq * nqb))
         # K used by one item only (one query block, no GQA sharing): pack its
@@ -437,8 +423,5 @@ def forward(q, k, v, mask_kind, mask_bool, mask_float, has_alibi, alibi,
         kp_size = (B * k.shape[1] * (-(-S // PW)) * max(E, 1) * PW
                    if (q.dtype == np.float32 and not local_pack) else 1)
         ws = workspace(q.dtype, T, Bq, Bk, E, Ev, kp_size, local_pack)
-        _forward_kernel(q, k, v, int(mask_kind), mask_bool, mask_float,
-                        bool(has_alibi), alibi, float(scale), float(softcap),
-                        int(q_offset), int(win_left), int(win_right),
-                        float(dropout_p), int(seed), out, lse, Bq, Bk,
-                        reverse_q, local_pack, *ws)
+        _forward_kernel(numba_args(args), out, lse, FwdPlan(Bq, Bk, reverse_q, local_pack),
+                        ws[0], ws[1:])
