@@ -386,3 +386,112 @@ def test_decode_pv_one_row_tile_same_bits(Ev):
     assert np.array_equal(row[1:], start[1:])
     exact = start[0] + Pb[0, :n].astype(np.float64) @ v.reshape(n, Ev)
     assert np.abs(row[0] - exact).max() < 1e-4 * np.abs(exact).max()
+
+
+# ----------------------------------------------------------------------------------------------
+# attention sinks: one logit per query head in the softmax denominator only
+# ----------------------------------------------------------------------------------------------
+def _dense_with_sinks(q, k, v, dout, sinks, scale, softcap, keep, dt):
+    """Attention with the sinks as an extra key column whose value row is zero, written densely
+    in dtype dt (float64: the reference; float32: the naive computation of the tolerance rule).
+    keep: bool, broadcastable to (B, Hq, L, S). Returns out, lse, dq, dk, dv, dsinks."""
+    q, k, v, dout, sinks = (np.asarray(x, dt) for x in (q, k, v, dout, sinks))
+    B, Hq, L, E = q.shape
+    Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+    g = Hq // Hkv
+    kr, vr = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    raw = dt(scale) * (q @ kr.swapaxes(-1, -2))
+    s = dt(softcap) * np.tanh(raw / dt(softcap)) if softcap else raw
+    s = np.where(keep, s, dt(-np.inf))
+    col = np.broadcast_to(sinks[None, :, None, None], (B, Hq, L, 1))
+    ext = np.concatenate([s, col], axis=-1)
+    mx = ext.max(-1, keepdims=True)
+    w = np.exp(ext - mx)
+    tot = w.sum(-1, keepdims=True)
+    P = w / tot
+    lse = (mx + np.log(tot))[..., 0]
+    out = P[..., :S] @ vr
+    dP = np.concatenate([dout @ vr.swapaxes(-1, -2), np.zeros_like(col)], axis=-1)
+    D = (P * dP).sum(-1, keepdims=True)
+    dS = P * (dP - D)                   # the sink column: -P_sink * D
+    dsinks = dS[..., S].sum(axis=(0, 2))
+    dS = dS[..., :S]
+    if softcap:
+        dS = dS * (1 - np.tanh(raw / dt(softcap)) ** 2)
+    dq = dt(scale) * (dS @ kr)
+    dk = dt(scale) * (dS.swapaxes(-1, -2) @ q).reshape(B, Hkv, g, S, E).sum(2)
+    dv = (P[..., :S].swapaxes(-1, -2) @ dout).reshape(B, Hkv, g, S, Ev).sum(2)
+    return out, lse, dq, dk, dv, dsinks
+
+
+SINK_CASES = {
+    # name: (L, S, options); the forward runs with small blocks, so several key blocks per row
+    "tiled": (37, 53, dict()),
+    "causal_softcap": (45, 30, dict(is_causal=True, softcap=2.0)),
+    "masked_rows": (29, 41, dict(mask="rows")),
+    "decode": (1, 300, dict()),
+    "decode_rows3_causal_br": (3, 200, dict(is_causal=True, causal_alignment="bottom_right")),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", list(SINK_CASES))
+def test_sinks_forward_decode_backward_against_dense(case, dtype):
+    """Sinks in the forward (several key blocks per row), decode (keys split in chunks) and the
+    backward (key chunks) against a dense computation with the sink as a key of zero value:
+    out, lse (which includes the sink), dq, dk, dv and dsinks; a fully masked row gives out 0 and
+    lse = the sink exactly."""
+    from helpers import assert_close_to_reference
+
+    from fastattn._backends._kernel_args import forward_outputs, kernel_args
+    from fastattn._inputs import make_problem
+    from fastattn._numba import backward as bwd
+    from fastattn._numba import decode as dec
+    from fastattn._numba import forward as fwd
+    from fastattn._tuning import tuning
+
+    L, S, opt = SINK_CASES[case]
+    opt = dict(opt)
+    rng = np.random.default_rng(zlib.crc32(case.encode()) % 1000)
+    B, Hq, Hkv, E, Ev = 2, 4, 2, 24, 20
+    q = rng.standard_normal((B, Hq, L, E)).astype(dtype)
+    k = rng.standard_normal((B, Hkv, S, E)).astype(dtype)
+    v = rng.standard_normal((B, Hkv, S, Ev)).astype(dtype)
+    dout = rng.standard_normal((B, Hq, L, Ev)).astype(dtype)
+    # one sink far above every score (it takes nearly all the weight), one far below
+    sinks = np.array([0.7, -1.3, 25.0, -40.0], dtype)
+    keep = np.ones((1, 1, L, S), bool)
+    kw = dict(enable_gqa=True)
+    if opt.pop("mask", None) == "rows":
+        m = rng.random((B, Hq, L, S)) > 0.4
+        m[:, :, 3:6] = False
+        kw["attn_mask"] = keep = m
+    if opt.get("is_causal"):
+        off = S - L if opt.get("causal_alignment") == "bottom_right" else 0
+        keep = keep & (np.arange(S)[None, :] <= np.arange(L)[:, None] + off)
+    kw.update(opt)
+    p = make_problem(q, k, v, **kw)
+    p.sinks = sinks          # what make_problem(..., sinks=) sets (its API lands separately)
+    ref = _dense_with_sinks(q, k, v, dout, sinks, p.scale, p.softcap, keep, np.float64)
+    naive = _dense_with_sinks(q, k, v, dout, sinks, p.scale, p.softcap, keep, dtype)
+
+    kernels = [("forward", fwd.forward, dict(block_q=16, block_k=32))]
+    if L <= 16:
+        kernels.append(("decode", dec.decode, dict(decode_block_k=64)))
+    for name, kernel, blocks in kernels:
+        out, lse = forward_outputs(p)
+        with tuning(**blocks):
+            kernel(kernel_args(p, 2), out, lse)
+        assert_close_to_reference(out, ref[0], naive[0], dtype, f"{name} out")
+        assert_close_to_reference(lse, ref[1], naive[1], dtype, f"{name} lse")
+        if case == "masked_rows":
+            assert np.all(out[:, :, 3:6] == 0)
+            assert np.array_equal(lse[:, :, 3:6], np.broadcast_to(sinks[None, :, None], (B, Hq, 3)))
+
+    out, lse = ref[0].astype(dtype), ref[1].astype(dtype)
+    grads = np.full_like(q, np.nan), np.full_like(k, np.nan), np.full_like(v, np.nan)
+    dsinks = np.zeros(Hq, dtype)
+    with tuning(bwd_block_q=16, bwd_block_k=32, bwd_chunks=2):
+        bwd.backward(kernel_args(p, 2), dout, out, lse, *grads, dsinks)
+    for got, r, n, name in zip(grads + (dsinks,), ref[2:], naive[2:], ("dq", "dk", "dv", "dsinks")):
+        assert_close_to_reference(got, r, n, dtype, name)

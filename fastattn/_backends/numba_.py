@@ -60,7 +60,6 @@ def _import_kernels():
 
 class NumbaBackend(CompiledBackend):
     name = "numba"
-    unsupported_options = {"sinks": "numba's kernels do not implement sinks yet"}
 
     def _load(self) -> None:
         forward, decode, softmax, backward = _import_kernels()

@@ -49,6 +49,14 @@ def alibi_slope(a, b, h):
 
 
 @njit
+def sink_logit(a, h):
+    """The sink logit of query head h as a float64 natural score; -inf (no sink) when off."""
+    if not a.has_sinks:
+        return -np.inf
+    return np.float64(a.sinks[h])
+
+
+@njit
 def mask_base(a, b, h, i, j):
     """Flat offset of mask entry (b, h, i, j) of the active mask (0 when there is none)."""
     return b * a.msB + h * a.msH + i * a.msL + j * a.msS

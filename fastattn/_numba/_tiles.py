@@ -157,9 +157,31 @@ def tile_grad(S, Z, Gc, nq, n, a, c, rows, roff, bh, i0, j0):
 
 
 @njit
-def tile_finalize(acc, m, lsum, nq, Ev, of, ooff, lse_flat, loff, inv_keep, kappa):
+def sink_row(mk, lr, sink, inv_keep):
+    """(factor, lse) of a row whose softmax denominator also holds exp(sink) (attention sinks,
+    docs/KERNELS.md): the row's weights sum to lr relative to exp(mk) (mk its max as a natural
+    score, float64), so out = acc * factor and lse = ln(lr e^mk + e^sink). Relative to the
+    larger of mk and sink, so a sink far above the scores neither overflows nor loses lr. A
+    row with nothing attended (lr = 0) gives factor 0 and lse = sink; a NaN or +inf sink takes
+    part in every row of its head, so by the NaN rule the row is NaN (factor and lse NaN)."""
+    if not (sink < np.inf):
+        return np.nan, np.nan
+    if lr == 0.0:
+        return 0.0, sink
+    if sink > mk:                     # False for a NaN row: it stays NaN below
+        w = np.exp(mk - sink)
+        lt = lr * w + 1.0
+        return inv_keep * w / lt, sink + np.log(lt)
+    lt = lr + np.exp(sink - mk)
+    return inv_keep / lt, mk + np.log(lt)
+
+
+@njit
+def tile_finalize(acc, m, lsum, nq, Ev, of, ooff, lse_flat, loff, inv_keep, kappa, sink):
     """out rows = acc * (1/(1-p)) / l, lse = m * kappa + ln l; rows that
     never saw an allowed key (m = -inf or l = 0) get out = 0, lse = -inf.
+    With a sink logit (-inf is no sink) the denominator also holds
+    exp(sink), see sink_row; an empty row then has out = 0 and lse = sink.
 
     kappa converts the log2-unit max back to a natural score: the weights
     were 2**(x*c - m) with c the dtype-rounded factor of tile_online, so
@@ -174,7 +196,14 @@ def tile_finalize(acc, m, lsum, nq, Ev, of, ooff, lse_flat, loff, inv_keep, kapp
     for r in range(nq):
         lr = lsum[r]
         orow = of[ooff + r * Ev:ooff + r * Ev + Ev]
-        if m[r] == ninf or lr == zero:
+        if sink != -np.inf:                     # a sink (NaN included)
+            empty = m[r] == ninf
+            f, ls = sink_row(-np.inf if empty else np.float64(m[r]) * kappa,
+                             0.0 if empty else np.float64(lr), sink, inv_keep)
+            for t in range(Ev):
+                orow[t] = np.float64(acc[r, t]) * f     # acc is 0 in an empty row
+            lse_flat[loff + r] = ls
+        elif m[r] == ninf or lr == zero:
             for t in range(Ev):
                 orow[t] = zero
             lse_flat[loff + r] = ninf

@@ -41,7 +41,7 @@ from ._intrinsics import FM, atomic_next, fcast, wide_vectors
 from ._record import numba_args, positive
 from ._scores import (
     alibi_slope, band_partial, block_status, mask_base, needs_rows, outside_band, score_units,
-    tile_scores)
+    sink_logit, tile_scores)
 from ._tiles import block_all_finite, tile_grad
 
 
@@ -63,7 +63,8 @@ def _norm_unit(u, a, dout, rows, plan, ws, zs, ds):
     (P = 2**(S*c - lse2), lse as given) and D = sum_j P dP (dP with dropout's
     keep/(1-p)), in float64, over every key a row sees, with the main pass's
     own score code (same bits). Writes Iz = 1/Z and Dd = D/Z (rows = (lse2, Dd,
-    Iz)), so the main pass uses P/Z and dS = (P/Z)(dP - D/Z): errors of the given
+    Iz, P_sink * D); with a sink, Z includes its weight), so the main pass uses
+    P/Z and dS = (P/Z)(dP - D/Z): errors of the given
     lse (its rounding scales a whole row of P) and of `out` (D from rowsum(dO*O)
     cancels against dP where a row's attention sits on one key) do not reach the
     gradients. Unit u = (batch, kv head, chunk c of the query blocks, plan.nqc
@@ -182,8 +183,16 @@ def _norm_unit(u, a, dout, rows, plan, ws, zs, ds):
             nq = min(Bq, L - i0)
             rowoff = (b * Hq + h) * L + i0
             aoff = hh * Lp + qb * Bqp
+            sink2 = sink_logit(a, h) / kappa          # the sink in lse2's log2 units
             for r in range(nq):
                 z = zs[aoff + r]
+                if a.has_sinks:
+                    # the sink's weight joins Z (the row's real keys sum to 1 - P_sink); its
+                    # share P_sink * D feeds dsinks (no value row: its dS is -P_sink * D)
+                    l2 = np.float64(lse2[rowoff + r])
+                    e = exp2v(sink2 - l2) if l2 != np.inf else 0.0
+                    z += e
+                    rows[3][rowoff + r] = (e / z) * (ds[aoff + r] / z) if z > 0.0 else 0.0
                 if z > 0.0:
                     Iz[rowoff + r] = fcast(q, 1.0 / z)
                     Dd[rowoff + r] = fcast(q, ds[aoff + r] / z)
@@ -344,7 +353,7 @@ BwdPlan = namedtuple("BwdPlan", "Bq Bk csize nchunks nthreads nqc")
 
 @njit(parallel=True, cache=True, nogil=True)
 def _backward_kernel(a, dout, lse, grads, plan, rows, dqp, zsum, ws):
-    """Parallel body of backward(): rows = (lse2, Dd, Iz) per query row, filled here;
+    """Parallel body of backward(): rows = (lse2, Dd, Iz, P_sink * D) per query row, filled here;
     ws = the stacked per-worker scratch arrays (workspace())."""
     q, k = a.q, a.k
     dq, dk, dv = grads
@@ -472,7 +481,10 @@ def backward(args, dout, out, lse, dq, dk, dv, dsinks):
         n_items = B * Hkv * nc
         T = max(1, min(T, n_items))
         ws = workspace(q.dtype, T, g, L, E, Ev, Bq, Bk, args.softcap, n_items, nc)
-        rows = tuple(np.empty(B * Hq * L, q.dtype) for _ in range(3))   # lse2, Dd, Iz
+        # lse2, Dd, Iz per query row, and each row's P_sink * D (float64) for dsinks
+        rows = (np.empty(B * Hq * L, q.dtype), np.empty(B * Hq * L, q.dtype),
+                np.empty(B * Hq * L, q.dtype),
+                np.empty(B * Hq * L if args.has_sinks else 1, np.float64))
         zsum = np.empty((T, 2, g * -(-L // Bq) * (-(-Bq // MR) * MR)))
         # query-block chunks of the _norm_unit pass: only when B*Hkv alone cannot keep every
         # thread busy (T here is the thread count the kernel's prange loops run with)
@@ -482,3 +494,6 @@ def backward(args, dout, out, lse, dq, dk, dv, dsinks):
         plan = BwdPlan(Bq, Bk, csize, nc, T, nqc)
         _backward_kernel(numba_args(args), dout, lse, (dq, dk, dv), plan, rows, ws[0], zsum,
                          ws[1:])
+    if args.has_sinks:
+        # dsinks[h] = -sum_{b,i} P_sink * D, summed here in a fixed order (deterministic)
+        dsinks[:] = -rows[3].reshape(B, Hq, L).sum(axis=(0, 2))

@@ -23,8 +23,8 @@ from ._intrinsics import FM, atomic_next, fcast, fmax_nan, wide_vectors
 from ._record import numba_args, positive
 from ._scores import (
     alibi_slope, band_partial, group_block_status, mask_base, needs_rows, score_units,
-    tile_scores)
-from ._tiles import block_all_finite, pv_nonfinite, tile_dropout, tile_online
+    sink_logit, tile_scores)
+from ._tiles import block_all_finite, pv_nonfinite, sink_row, tile_dropout, tile_online
 from ._gemm import MR, dec_qk, dec_qk_dot, gemm_pv_stream, gemm_pv_stream_row
 
 
@@ -186,7 +186,8 @@ def _decode_merge(bk, a, plan, pm, pl, pacc, out, lse, kappa):
 
     The weighted sum and the final factor 1/(1-p) / l are formed in float64,
     so a float32 output is rounded once (a single chunk passes through
-    exactly: its weight is 2**0). lse as in _tiles.tile_finalize."""
+    exactly: its weight is 2**0). lse as in _tiles.tile_finalize (sinks
+    included)."""
     nchunks = plan.nchunks
     L = a.q.shape[2]
     Hkv = a.k.shape[1]
@@ -218,6 +219,17 @@ def _decode_merge(bk, a, plan, pm, pl, pacc, out, lse, kappa):
                 ltot += w * pl[bk * nchunks + c, r]
                 for t in range(Ev):
                     o64[t] += w * pacc[bk * nchunks + c, r, t]
+        sink = sink_logit(a, h)
+        if sink != -np.inf:               # a sink (NaN included)
+            if ltot == 0.0:
+                for t in range(Ev):
+                    o64[t] = 0.0
+            f, ls = sink_row(np.float64(M) * kappa if ltot != 0.0 else -np.inf, ltot, sink,
+                             inv_keep)
+            for t in range(Ev):
+                out[b, h, i, t] = o64[t] * f
+            lse[b, h, i] = ls
+            continue
         if ltot == 0.0:
             for t in range(Ev):
                 out[b, h, i, t] = zero

@@ -22,7 +22,8 @@ from ._hash import dropout_threshold_nb
 from ._intrinsics import FM, atomic_next, fcast, prefetch_l2, wide_vectors
 from ._record import numba_args, positive
 from ._scores import (
-    alibi_slope, band_partial, block_status, mask_base, needs_rows, score_units, tile_scores)
+    alibi_slope, band_partial, block_status, mask_base, needs_rows, score_units, sink_logit,
+    tile_scores)
 from ._tiles import (
     block_all_finite, pv_nonfinite, tile_dropout, tile_finalize, tile_online, zero_past_limit)
 from ._gemm import MR, NO_LIMIT, PW, gemm_pv, gemm_qk, pack_k_panel, pack_q_tiles
@@ -297,7 +298,7 @@ def _forward_item(it, a, out, lse, plan, Kp, ws, pf_it):
         j0 += Bk
 
     tile_finalize(acc, m, lsum, nq, Ev, of, ((b * Hq + h) * L + i0) * Ev,
-                  lse.reshape(-1), (b * Hq + h) * L + i0, inv_keep, kappa)
+                  lse.reshape(-1), (b * Hq + h) * L + i0, inv_keep, kappa, sink_logit(a, h))
 
 
 # Blocks of a forward call (chosen in forward() from the shapes and KernelArgs.tuning).
