@@ -495,3 +495,94 @@ def test_sinks_forward_decode_backward_against_dense(case, dtype):
         bwd.backward(kernel_args(p, 2), dout, out, lse, *grads, dsinks)
     for got, r, n, name in zip(grads + (dsinks,), ref[2:], naive[2:], ("dq", "dk", "dv", "dsinks")):
         assert_close_to_reference(got, r, n, dtype, name)
+
+
+# ----------------------------------------------------------------------------------------------
+# issue 14: large finite scores, NaN in never-attended keys under softcap, tiny softcaps
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("L", [1, 5])          # decode and the tiled forward
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_huge_scale_gives_the_one_hot_answer(dtype, L):
+    """scale=1e10 on the issue's two keys: scores 2.6e10 and -1.2e10, so all the weight sits on
+    key 0. The weights were 2**(x*c - m) with x*c - m one FMA: at the row max that is the
+    rounding error of m, which at |m| ~ 4e10 is up to 2**11 in log2 units, so the max's weight
+    under- or overflowed (out NaN or 0, lse -inf). The weight at the max must be exactly 1."""
+    import fastattn as fa
+
+    q = np.tile(np.array([1.0, -0.62], dtype), (1, 1, L, 1))
+    k = np.array([[[[1.82, -1.32], [-0.66, 0.94]]]], dtype)
+    v = np.array([[[[1.0], [2.0]]]], dtype)
+    out, lse = fa.scaled_dot_product_attention(q, k, v, scale=1e10, return_lse=True,
+                                               backend="numba")
+    assert np.all(out == 1.0)
+    s0 = 1e10 * (1.82 * 1.0 + -0.62 * -1.32)
+    np.testing.assert_allclose(lse, s0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mag", [3e4, 1e5])
+@pytest.mark.parametrize("L", [2, 40])
+def test_large_float32_inputs_follow_the_tolerance_rule(L, mag):
+    """float32 q, k of magnitude 3e4-1e5 (|q.k| ~ 1e9-1e11, far from overflow): finite results
+    within the tolerance rule of the float64 reference (they were NaN rows, or 0 with lse -inf).
+    Same for float64 at magnitude 1e10."""
+    from helpers import check_sdpa
+
+    rng = np.random.default_rng(L)
+    for dtype, m in ((np.float32, mag), (np.float64, 1e10)):
+        q = (rng.standard_normal((1, 2, L, 16)) * m).astype(dtype)
+        k = (rng.standard_normal((1, 2, 60, 16)) * m).astype(dtype)
+        v = rng.standard_normal((1, 2, 60, 8)).astype(dtype)
+        out, lse = check_sdpa(q, k, v, "numba")
+        assert np.isfinite(out).all() and np.isfinite(lse).all()
+
+
+def test_softcap_float64_backward_ignores_nan_in_unattended_keys():
+    """Causal, L=4 < S=8: keys 4-7 are attended by no query. A NaN at key 6 went through
+    softcap's derivative (1 - tanh(NaN)**2 = NaN) and 0 * NaN into dq and dk."""
+    import fastattn as fa
+
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((1, 1, 4, 8))
+    k = rng.standard_normal((1, 1, 8, 8))
+    v = rng.standard_normal((1, 1, 8, 8))
+    k[0, 0, 6] = np.nan
+    kw = dict(is_causal=True, softcap=3.0, backend="numba")
+    out, lse = fa.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
+    dq, dk, dv = fa.scaled_dot_product_attention_backward(np.ones_like(out), q, k, v, out, lse,
+                                                          **kw)
+    assert np.isfinite(out).all()
+    assert np.isfinite(dq).all() and np.isfinite(dv).all()
+    assert np.isfinite(dk).all() and np.all(dk[0, 0, 4:] == 0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("softcap", [1e-300, 1e-40, 1e300])
+def test_extreme_softcaps_compute_instead_of_raising(softcap, dtype):
+    """A softcap that underflows the compute dtype (1e-300 in float32 became 0, and the kernel
+    divided by it: ZeroDivisionError surfacing as SystemError) makes every score 0: uniform
+    weights, as the math says. One that overflows it (1e300 in float32: inf) caps nothing.
+    The kernels are called directly: the API may reject such softcaps before they get here."""
+    from fastattn import reference
+    from fastattn._backends._kernel_args import forward_outputs, kernel_args
+    from fastattn._inputs import make_problem
+    from fastattn._numba import backward as bwd
+    from fastattn._numba import forward as fwd
+
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((1, 2, n, 8)).astype(dtype) for n in (5, 9, 9))
+    p = make_problem(q, k, v, softcap=1.0)
+    p.softcap = softcap
+    out, lse = forward_outputs(p)
+    fwd.forward(kernel_args(p, 2), out, lse)
+    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    bwd.backward(kernel_args(p, 2), np.ones_like(out), out, lse, dq, dk, dv,
+                 np.zeros(2, dtype))
+    if softcap < 1e-30:          # |capped score| <= softcap: every score is 0 in effect
+        np.testing.assert_allclose(out, np.broadcast_to(v.mean(axis=2, keepdims=True), out.shape),
+                                   rtol=1e-5)
+        np.testing.assert_allclose(lse, np.log(9), rtol=1e-6)
+    elif softcap > 1e200:                         # no cap
+        want = reference.scaled_dot_product_attention(q, k, v)
+        np.testing.assert_allclose(out, want, rtol=2e-5, atol=1e-6)
+    for a in (out, lse, dq, dk, dv):
+        assert np.isfinite(a).all()

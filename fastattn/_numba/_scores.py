@@ -16,6 +16,8 @@ q element and added an error relative to sum|q_e k_e|: with large logits (q, k x
 output error was 11x the naive float32 computation's (tests/test_forward.py,
 test_large_values_stay_finite and the large-logit sweep).
 """
+import math
+
 import numpy as np
 from numba import njit
 
@@ -165,10 +167,27 @@ def tile_scores(S, r0, r1, n, j0, pos0, a, slope, mbase, mstat, Gc, save_grad):
     # softcap divides (like the spec) rather than multiplying by a rounded
     # 1/cap: one rounding fewer in tanh's argument; only softcap pays for it
     cap = fcast(S, a.softcap) if use_cap else fcast(S, 1.0)
+    # A softcap the dtype cannot hold: one that overflows to inf caps nothing (s / inf = 0
+    # and inf * tanh(0) would be NaN); one that underflows to 0 (1e-300 in float32: the
+    # division raised ZeroDivisionError, as SystemError) is applied in float64.
+    cap_inf = use_cap and cap == fcast(S, np.inf)
+    cap_tiny = use_cap and cap == fcast(S, 0.0)
+    c64 = np.float64(a.softcap)
     for r in range(r0, r1):
         d = r - r0
         pos = pos0 + d
-        if use_cap and save_grad:
+        if cap_inf:
+            for j in range(n):
+                S[r, j] = S[r, j] * sc
+                if save_grad:
+                    Gc[r, j] = fcast(S, 1.0)
+        elif cap_tiny:
+            for j in range(n):
+                th = math.tanh(np.float64(S[r, j] * sc) / c64)
+                S[r, j] = fcast(S, c64 * th)
+                if save_grad:
+                    Gc[r, j] = fcast(S, 1.0 - th * th)
+        elif use_cap and save_grad:
             for j in range(n):
                 th = tanhv((S[r, j] * sc) / cap)
                 S[r, j] = cap * th

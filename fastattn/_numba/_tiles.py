@@ -31,6 +31,37 @@ LAZY_LIMIT = 65536.0
 LAZY_LOW = 2.0 ** -20
 
 
+# |m| (log2 units) from which rows take the rounded pass (see _row_sum): 2**22, where float32's
+# ulp(m)/2, the FMA's residual at the max, reaches 1/8. float64 uses the same bound: there ulp(m)
+# is still small, but scores that large (~3e6) carry GEMM rounding far above the 1e-10 tolerance
+# anyway, so the FMA's extra accuracy buys nothing there and the max gets weight exactly 1.
+BIG_MAX = 2.0 ** 22
+
+
+@njit(fastmath={'nsz', 'arcp', 'afn'})     # no 'contract': x*c is rounded before m is taken off
+def _exp2_row_sum_rounded(S, r, P, n, c, m):
+    """exp2_row_sum with t = round(x*c) - m instead of one FMA. With m the rounded max of the
+    x*c, t is exactly 0 at the max, so its weight is exactly 1 however large |m| is."""
+    s = fcast(P, 0.0)
+    for j in range(n):
+        x = S[r, j] * c
+        p = exp2v(x - m)
+        P[r, j] = p
+        s += p
+    return s
+
+
+@njit(fastmath=FM)
+def _row_sum(S, r, P, n, c, m, big):
+    """The weights 2**(S*c - m) of row r and their sum. The FMA of exp2_row_sum leaves at the
+    row max the rounding error of m itself, up to ulp(m)/2 in log2 units: harmless for ordinary
+    scores, but at |q.k| ~ 1e9 in float32 (ulp(m) ~ 2**7..2**11) the max's weight under- or
+    overflowed (NaN rows, or 0 with lse -inf). Rows with |m| >= big take the rounded pass."""
+    if abs(m) >= big:               # False for NaN: NaN rows stay on the FMA pass (NaN anyway)
+        return _exp2_row_sum_rounded(S, r, P, n, c, m)
+    return exp2_row_sum(S, r, P, n, c, m)
+
+
 @njit(fastmath=FM)
 def tile_online(S, P, r0, r1, n, m, lsum, acc, Ev, c, dlim=NO_LIMIT):
     """Online-softmax update of rows r0..r1-1 with their scores S[r, :n]
@@ -50,12 +81,13 @@ def tile_online(S, P, r0, r1, n, m, lsum, acc, Ev, c, dlim=NO_LIMIT):
     lim = fcast(S, LAZY_LIMIT)
     low = fcast(S, LAZY_LOW)
     c = fcast(S, c)
+    big = fcast(S, BIG_MAX)
     nfull = n
     for r in range(r0, r1):
         n = max(0, min(nfull, tile_cols(r // MR, MR, dlim)))
         m_old = m[r]
         if m_old != ninf:
-            s = exp2_row_sum(S, r, P, n, c, m_old)
+            s = _row_sum(S, r, P, n, c, m_old, big)
             if s <= lim:            # False for inf and NaN
                 lsum[r] += s
                 continue
@@ -63,7 +95,7 @@ def tile_online(S, P, r0, r1, n, m, lsum, acc, Ev, c, dlim=NO_LIMIT):
             # first block of this row: guess the max of the row above
             # (acc row and lsum are still 0, nothing to rescale)
             mg = m[r - 1]
-            s = exp2_row_sum(S, r, P, n, c, mg)
+            s = _row_sum(S, r, P, n, c, mg, big)
             if s <= lim and s >= low:   # False for NaN
                 lsum[r] = s
                 m[r] = mg
@@ -80,7 +112,7 @@ def tile_online(S, P, r0, r1, n, m, lsum, acc, Ev, c, dlim=NO_LIMIT):
                 P[r, j] = zero
             continue
         alpha = exp2v(m_old - m_new)
-        s = exp2_row_sum(S, r, P, n, c, m_new)
+        s = _row_sum(S, r, P, n, c, m_new, big)
         lsum[r] = lsum[r] * alpha + s
         m[r] = m_new
         if alpha != one:
@@ -152,8 +184,10 @@ def tile_grad(S, Z, Gc, nq, n, a, c, rows, roff, bh, i0, j0):
                 S[r, j] = ds if p != zero else zero
                 Z[r, j] = p
         if use_cap:
+            # dS = 0 (P = 0) must stay 0: Gc is NaN where a masked key holds NaN
             for j in range(n):
-                S[r, j] = S[r, j] * Gc[r, j]
+                ds = S[r, j]
+                S[r, j] = ds if ds == zero else ds * Gc[r, j]
 
 
 @njit
