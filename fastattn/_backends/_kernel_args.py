@@ -105,19 +105,6 @@ def kernel_args(p, n_threads: int) -> KernelArgs:
         int(n_threads), current_tuning()))
 
 
-def legacy_inputs(a: KernelArgs) -> tuple:
-    """The 15 positional arguments of the kernels before the record (transition only: a kernel
-    not yet converted to take the record is called with these)."""
-    return (a.q, a.k, a.v, a.mask_kind, a.mask_bool, a.mask_float, a.has_alibi, a.alibi,
-            a.scale, a.softcap, a.q_offset, a.win_left, a.win_right, a.dropout_p, a.seed)
-
-
-def forward_inputs(p) -> tuple:
-    """legacy_inputs of Problem `p` (transition only: the kernel tests still call the old
-    positional kernels with it)."""
-    return legacy_inputs(kernel_args(p, 1))
-
-
 def forward_outputs(p) -> tuple:
     """Fresh (out, lse) for the kernels to fill."""
     B, Hq, L, _ = p.q.shape
