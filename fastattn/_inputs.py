@@ -274,6 +274,16 @@ class Problem:
     dropout_p: float = 0.0
     seed: int = 0
     sinks: np.ndarray | None = None      # (Hq,) compute dtype: softmax-denominator logits
+    # Where this problem sits in a larger one, for the dropout hash: (bh0, bh_stride, row0,
+    # col0) gives hash coordinates (bh0 + b * bh_stride + h, row0 + i, col0 + j); None is the
+    # whole problem, (0, Hq, 0, 0). Set by callers that compute a piece (fastattn.dask).
+    dropout_origin: tuple | None = None
+    # Backward only. None: the kernels recompute each row's Z = sum P and D = sum P dP from
+    # their own tiles (exact when k/v hold every key of the row). An array (B, Hq, L) in the
+    # compute dtype: k/v are a part of the keys, lse and this D = rowsum(dout * out) belong to
+    # the whole problem, and the kernels use P = exp(s - lse) and D as given (FlashAttention-2's
+    # form), so the gradients are this part's share (dq summed over the parts is the whole dq).
+    delta: np.ndarray | None = None
     # how to give results back
     in_dtype: np.dtype = field(default_factory=lambda: np.dtype(np.float32))
     out_shape: tuple = ()

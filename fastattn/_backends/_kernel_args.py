@@ -23,7 +23,8 @@ from .._inputs import MASK_BOOL, MASK_FLOAT, lse_dtype
 from .._tuning import Tuning, current_tuning
 
 _DUMMY_BOOL = np.zeros((1, 1, 1, 1), np.uint8)
-_DUMMY = {np.dtype(t): (np.zeros((1, 1, 1, 1), t), np.zeros((1, 1), t), np.zeros(1, t))
+_DUMMY = {np.dtype(t): (np.zeros((1, 1, 1, 1), t), np.zeros((1, 1), t), np.zeros(1, t),
+                        np.zeros((1, 1, 1), t))
           for t in (np.float32, np.float64)}
 
 
@@ -56,6 +57,12 @@ class KernelArgs(NamedTuple):
     has_sinks: bool
     sinks: np.ndarray          # (Hq,) T: one logit per query head in the softmax denominator
     n_threads: int
+    # Backward only: when has_delta, k/v are a part of the keys and lse belongs to the whole
+    # problem; the kernel uses P = exp(s - lse) (no renormalization by its own Z) and
+    # D_i = delta[b, h, i] (= rowsum(dout * out) of the whole problem) instead of the D it
+    # would recompute from its tiles. Dummy (1, 1, 1) when off.
+    has_delta: bool
+    delta: np.ndarray          # (B, Hq, L) T
     tuning: Tuning             # block sizes and prefetch options; 0 / -1 = the backend's choice
 
 
@@ -76,17 +83,23 @@ _new_record = tuple.__new__
 _FIELDS = ("q", "k", "v", "mask_kind", "mask_bool", "mask_float", "mask_strides", "has_alibi",
            "alibi", "scale", "softcap", "q_offset", "win_left", "win_right", "dropout_p", "seed",
            "dropout_bh0", "dropout_bh_stride", "dropout_row0", "dropout_col0", "has_sinks",
-           "sinks", "n_threads", "tuning")
+           "sinks", "n_threads", "has_delta", "delta", "tuning")
 assert KernelArgs._fields == _FIELDS
 _NO_MASK_STRIDES = (0, 0, 0, 0)
 
 
+def _whole_origin(p) -> tuple:
+    """The dropout hash coordinates of a whole problem: (bh0, bh_stride, row0, col0)."""
+    return (0, p.q.shape[1], 0, 0)
+
+
 def kernel_args(p, n_threads: int) -> KernelArgs:
     """The record for Problem `p` (built once per call)."""
-    dummy_mask, dummy_alibi, dummy_sinks = _DUMMY[p.dtype]
+    dummy_mask, dummy_alibi, dummy_sinks, dummy_delta = _DUMMY[p.dtype]
     band = p.band
     alibi = p.alibi
     sinks = p.sinks
+    delta = p.delta
     kind = p.mask_kind
     if kind:
         mask_bool = p.mask.view(np.uint8) if kind == MASK_BOOL else _DUMMY_BOOL
@@ -100,9 +113,10 @@ def kernel_args(p, n_threads: int) -> KernelArgs:
         alibi is not None, dummy_alibi if alibi is None else alibi,
         float(p.scale), float(p.softcap), int(band.q_offset), int(band.left), int(band.right),
         float(p.dropout_p), int(p.seed),
-        0, p.q.shape[1], 0, 0,
+        *(_whole_origin(p) if p.dropout_origin is None else p.dropout_origin),
         sinks is not None, dummy_sinks if sinks is None else sinks,
-        int(n_threads), current_tuning()))
+        int(n_threads), delta is not None, dummy_delta if delta is None else delta,
+        current_tuning()))
 
 
 def forward_outputs(p) -> tuple:
