@@ -49,3 +49,19 @@ def keep_mask(seed: int, p: float, bh, i, j) -> np.ndarray:
     rk = row_keys(seed, bh, i)
     jbits = (np.asarray(j, dtype=np.uint64) * GOLDEN) & M32
     return mix32(rk ^ jbits) >= np.uint64(threshold(p))
+
+
+def origin(problem) -> tuple:
+    """(bh0, bh_stride, row0, col0) of a Problem: where it sits in the problem whose hash
+    coordinates it uses (its own, (0, Hq, 0, 0), unless a caller computing a piece set it)."""
+    o = problem.dropout_origin
+    return (0, problem.q.shape[1], 0, 0) if o is None else tuple(int(x) for x in o)
+
+
+def piece_keep(seed: int, p: float, org: tuple, b, h, i, j) -> np.ndarray:
+    """keep_mask for element (b, h, i, j) of a piece at origin `org`: hash coordinates
+    (bh0 + b * bh_stride + h, row0 + i, col0 + j), each a uint32 (mod 2**32, as in C)."""
+    bh0, stride, row0, col0 = (np.uint64(x) for x in org)
+    u = lambda x: np.asarray(x, dtype=np.uint64)
+    bh = (bh0 + u(b) * stride + u(h)) & M32
+    return keep_mask(seed, p, bh, (row0 + u(i)) & M32, (col0 + u(j)) & M32)

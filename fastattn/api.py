@@ -10,11 +10,11 @@ import numbers
 
 import numpy as np
 
-from . import _backends
+from . import _backends, _parts
 from ._backends.numpy_ import safe_matmul
 from ._inputs import (as_float_array, check_backward_rng, check_same_dtype, check_scale,
-                      compute_dtype, describe, for_kernels, lse_dtype, make_problem,
-                      native_byte_order)
+                      check_window, compute_dtype, describe, for_kernels, lse_dtype,
+                      make_problem, native_byte_order)
 
 __all__ = ["scaled_dot_product_attention", "scaled_dot_product_attention_backward", "merge_attention", "softmax", "attention", "multihead",
            "split_heads", "merge_heads"]
@@ -30,7 +30,7 @@ def _numpy():
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False, *, causal_alignment="top_left",
                                  window=None, softcap=None, alibi_slopes=None, sinks=None,
-                                 return_lse=False, rng=None, backend=None):
+                                 return_lse=False, rng=None, backend=None, part_of=None):
     """Exact attention softmax(scale * Q K^T + bias) V on ndarrays, torch-compatible.
 
     Parameters
@@ -61,6 +61,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     rng : int seed or numpy Generator for dropout. The backward needs the forward's int seed, so
         pass an int when you will differentiate (a Generator draws a seed nobody sees).
     backend : "auto" (default), "cython", "numba" or "numpy".
+    part_of : (query_start, key_start, total_queries, total_keys), for context parallelism: the
+        call computes query rows query_start.. and keys key_start.. of a larger problem of
+        total_queries x total_keys, and causal (either alignment), window, ALiBi and the dropout
+        hash use that problem's positions. With a part of the keys, out and lse are this part's
+        partial result: combine the key parts with merge_attention (and pass `sinks` there, not
+        here: a sink belongs to no key part). attn_mask is this part's own piece of the mask.
+        The dropout hash's batch*head coordinate is the call's own (split the sequences, not
+        the heads, when you need the whole problem's dropout mask).
 
     Returns
     -------
@@ -70,17 +78,37 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     p = make_problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                      causal_alignment=causal_alignment, window=window, softcap=softcap,
                      alibi_slopes=alibi_slopes, sinks=sinks, rng=rng)
+    shift = 0
+    if part_of is not None:
+        fn = "scaled_dot_product_attention"
+        shift, keys_part = _place_part(p, part_of, is_causal, causal_alignment, window, fn)
+        if keys_part and sinks is not None:
+            raise ValueError(f"{fn}: sinks with part_of={tuple(part_of)}, a part of the keys: a "
+                             f"sink belongs to no key part; compute the parts without sinks and "
+                             f"pass sinks to merge_attention(outs, lses, sinks=...)")
     p = for_kernels(p)[0]        # scale <= 0 rewritten for the kernels, same scores
     be = _backends.resolve(p, "forward", backend)
     if p.is_empty or p.q.shape[3] == 0:
         be = _numpy()            # degenerate sizes: the NumPy code path handles every edge
     out, lse = be.forward(p)
+    if shift:
+        lse = lse - _parts.alibi_shift(p.alibi, shift, lse.dtype)
     if out.dtype != p.in_dtype or out.shape != p.out_shape:   # (the usual call: neither)
         with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, its own answer
             out = out.astype(p.in_dtype, copy=False).reshape(p.out_shape)
     if return_lse:
         return out, lse.reshape(p.lse_shape)
     return out
+
+
+def _place_part(p, part_of, is_causal, alignment, window, fn: str) -> tuple[int, bool]:
+    """Problem p as the part `part_of` of a larger problem (in place): (the ALiBi shift of
+    _parts.place, whether its keys are a part of the keys)."""
+    L, S = p.q.shape[2], p.k.shape[2]
+    r0, c0, L_tot, S_tot = _parts.check_part_of(part_of, L, S, fn)
+    band = _parts.global_band(L_tot, S_tot, bool(is_causal), alignment, check_window(window, fn))
+    shift = _parts.place(p, band, r0, c0, (0, p.q.shape[1], r0, c0))
+    return shift, (c0 > 0 or c0 + S < S_tot)
 
 
 def _saved(x, name: str, shape: tuple, dtype, fn: str) -> np.ndarray:
@@ -95,7 +123,7 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
                                           dropout_p=0.0, is_causal=False, scale=None,
                                           enable_gqa=False, *, causal_alignment="top_left",
                                           window=None, softcap=None, alibi_slopes=None,
-                                          sinks=None, rng=None, backend=None):
+                                          sinks=None, rng=None, backend=None, part_of=None):
     """Gradients (dq, dk, dv[, dsinks]) of scaled_dot_product_attention, FlashAttention-2 style.
 
     grad_out : upstream gradient, shaped like the forward's output (..., Hq, L, Ev).
@@ -110,22 +138,52 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
     over the query heads of each group. Rows whose keys were all masked get zero gradients.
     With sinks, a fourth value: dsinks, shaped and typed like sinks,
     dsinks_h = -sum over batch and rows of exp(sink_h - lse) * rowsum(grad_out * out).
+
+    part_of : (query_start, key_start, total_queries, total_keys), the backward of the forward's
+        part_of (context parallelism). key/value may then be a part of the keys, and grad_out,
+        out and lse are always those of the WHOLE forward for these query rows (out and lse
+        after merging the key parts), as flash-attn's backward takes them in ring attention:
+        the weights are exp(s - lse) over this part's keys and D = rowsum(grad_out * out).
+        Sum dq over the key parts of its rows, and dk/dv over the query parts of their keys.
+        With sinks and a part of the keys, dsinks is that of these query rows, the same for
+        every key part: take it from one of them, do not sum it.
     """
     fn = "scaled_dot_product_attention_backward"
     check_backward_rng(dropout_p, rng, fn)
     p = make_problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                      causal_alignment=causal_alignment, window=window, softcap=softcap,
                      alibi_slopes=alibi_slopes, sinks=sinks, rng=rng, fn=fn)
+    shift, keys_part = 0, False
+    if part_of is not None:
+        shift, keys_part = _place_part(p, part_of, is_causal, causal_alignment, window, fn)
     p, dq_factor = for_kernels(p)
     B, Hq, L, _ = p.q.shape
     Ev = p.v.shape[3]
     dout = _saved(grad_out, "grad_out", p.out_shape, p.dtype, fn).reshape(B, Hq, L, Ev)
     fwd_out = _saved(out, "out", p.out_shape, p.dtype, fn).reshape(B, Hq, L, Ev)
     fwd_lse = _saved(lse, "lse", p.lse_shape, lse_dtype(p.dtype), fn).reshape(B, Hq, L)
+    dsinks = None
+    if keys_part:
+        # P = exp(s - lse) needs no sink (the whole lse has it); dsinks comes from lse and D
+        sinks_c, p.sinks = p.sinks, None
+        p.delta = _parts.row_delta(dout, fwd_out, p.dtype)
+        if sinks_c is not None:
+            dsinks = _parts.sink_grad(sinks_c, fwd_lse, p.delta)
+    lse_k = fwd_lse
+    if shift:
+        # the moved tile's scores exceed the true ones by this much, and so must its lse
+        c = _parts.alibi_shift(p.alibi, shift, fwd_lse.dtype)
+        lse_k = fwd_lse + c
+        if p.sinks is not None:
+            if c.shape[0] > 1:
+                raise ValueError(f"{fn}: sinks with per-batch alibi_slopes and part_of query "
+                                 f"rows past the last key are not supported")
+            p.sinks = p.sinks + c[0, :, 0].astype(p.dtype)
     be = _backends.resolve(p, "backward", backend)
     if p.is_empty:
         be = _numpy()
-    dq, dk, dv, dsinks = be.backward(p, dout, fwd_out, fwd_lse)
+    dq, dk, dv, ds = be.backward(p, dout, fwd_out, lse_k)
+    dsinks = ds if dsinks is None else dsinks
     if dq_factor is not None:
         with np.errstate(invalid="ignore"):   # inf * 0 = NaN, as the unrewritten math gives
             dq = dq * p.dtype.type(dq_factor)  # the kernels' q was -q (or q * 0): chain rule

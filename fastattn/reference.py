@@ -76,6 +76,14 @@ def _sink_column(p, dtype):
     return None if p.sinks is None else p.sinks.astype(dtype).reshape(1, -1, 1)
 
 
+def _keep(p, B, Hq, L, S):
+    """The dropout keep-mask (B, Hq, L, S) of a Problem, at its hash coordinates (its
+    dropout_origin when it is a piece of a larger problem)."""
+    return _dropout.piece_keep(p.seed, p.dropout_p, _dropout.origin(p),
+                               np.arange(B).reshape(B, 1, 1, 1), np.arange(Hq).reshape(1, Hq, 1, 1),
+                               np.arange(L)[:, None], np.arange(S)[None, :])
+
+
 def forward(p, dtype=np.float64, return_weights=False):
     """Dense forward of a Problem: (out (B,Hq,L,Ev), lse (B,Hq,L)[, weights before dropout]).
 
@@ -101,8 +109,7 @@ def forward(p, dtype=np.float64, return_weights=False):
         lse = np.where(total != 0, m_safe + np.log(total), -np.inf).astype(dtype)
     dropped = weights
     if p.dropout_p > 0:
-        bh = np.arange(B * Hq).reshape(B, Hq, 1, 1)
-        keep = _dropout.keep_mask(p.seed, p.dropout_p, bh, np.arange(L)[:, None], np.arange(S)[None, :])
+        keep = _keep(p, B, Hq, L, S)
         dropped = weights * keep / dtype(1.0 - p.dropout_p)
     v = np.repeat(p.v.astype(dtype), p.group, axis=1)
     out = _weighted_sum(dropped, v)
@@ -124,7 +131,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return (out, lse.reshape(p.lse_shape)) if return_lse else out
 
 
-def backward(p, grad_out, dtype=np.float64):
+def backward(p, grad_out, dtype=np.float64, lse=None):
     """Closed-form gradients (dq, dk, dv, dsinks) of forward(p) for the upstream gradient grad_out.
 
     Written from the definitions, densely: with s the final scores, P = softmax(s), Pd = P with
@@ -139,6 +146,12 @@ def backward(p, grad_out, dtype=np.float64):
     P_sink = exp(sink - lse) its weight,
         dsink_h = sum_{b,i} P_sink * (0 - sum_j P dP) = -sum_{b,i} P_sink,bhi * D_bhi.
     dsinks is None without sinks.
+
+    The partial-keys form (p.delta set, FlashAttention-2's): k and v are a part of the keys of a
+    larger problem whose log-sum-exp `lse` (B, Hq, L) and D = rowsum(dO * O) = p.delta are
+    given; P = exp(s - lse) over this part's keys (not a softmax of its own: the part's weights
+    sum to its share of the row) and dS = P * (dP - D). Summing dq over the parts, and taking
+    each part's dk/dv, gives the whole problem's gradients.
     """
     B, Hq, L, _ = p.q.shape
     Hkv, S = p.k.shape[1], p.k.shape[2]
@@ -147,17 +160,27 @@ def backward(p, grad_out, dtype=np.float64):
     k = np.repeat(p.k.astype(dtype), G, axis=1)
     v = np.repeat(p.v.astype(dtype), G, axis=1)
     dO = np.asarray(grad_out, dtype).reshape(B, Hq, L, p.v.shape[3])   # not -1: L may be 0
-    _, lse, P = forward(p, dtype, return_weights=True)
+    if p.delta is None:
+        _, lse, P = forward(p, dtype, return_weights=True)
+    else:
+        if lse is None:
+            raise ValueError("reference.backward: a partial-keys problem (delta) needs the "
+                             "whole problem's lse")
+        lse = np.asarray(lse, dtype).reshape(B, Hq, L)
+        s = scores_and_keep(p, dtype)
+        with np.errstate(invalid="ignore", over="ignore"):
+            # rows with lse = -inf attend no key anywhere: weight 0 (not exp(-inf + inf) = NaN)
+            P = np.where(np.isneginf(lse)[..., None], 0, np.exp(s - lse[..., None]))
     keep_scale = np.ones_like(P)
     if p.dropout_p > 0:
-        bh = np.arange(B * Hq).reshape(B, Hq, 1, 1)
-        keep = _dropout.keep_mask(p.seed, p.dropout_p, bh, np.arange(L)[:, None], np.arange(S)[None, :])
+        keep = _keep(p, B, Hq, L, S)
         keep_scale = keep / dtype(1.0 - p.dropout_p)
     Pd = P * keep_scale
     dV = np.swapaxes(Pd, -1, -2) @ dO
     with np.errstate(invalid="ignore"):                  # inf/NaN in masked keys: zeroed below
         dP = np.where(P != 0, (dO @ np.swapaxes(v, -1, -2)) * keep_scale, 0)
-        D = np.sum(P * dP, axis=-1, keepdims=True)
+        D = (np.sum(P * dP, axis=-1, keepdims=True) if p.delta is None
+             else np.asarray(p.delta, dtype).reshape(B, Hq, L, 1))
         dS = P * (dP - D)
         if p.softcap:
             t = np.tanh((q @ np.swapaxes(k, -1, -2)) * dtype(p.scale) / dtype(p.softcap))

@@ -100,9 +100,11 @@ def _apply_scores_pipeline(p, s, b, i0, i1, j0, j1, heads=slice(None)):
 
 
 def _dropout_scale(p, b, Hq, i0, i1, j0, j1, heads=slice(None)):
-    """keep / (1 - p) for a tile (nh, nq, nk): the hash regenerates the forward's kept set."""
-    bh = (b * Hq + np.arange(Hq)[heads])[:, None, None]
-    keep = _dropout.keep_mask(p.seed, p.dropout_p, bh, np.arange(i0, i1)[:, None], np.arange(j0, j1)[None, :])
+    """keep / (1 - p) for a tile (nh, nq, nk): the hash regenerates the forward's kept set, at
+    the hash coordinates of the problem's dropout origin (a piece of a larger problem: fastattn.dask)."""
+    keep = _dropout.piece_keep(p.seed, p.dropout_p, _dropout.origin(p), b,
+                               np.arange(Hq)[heads][:, None, None], np.arange(i0, i1)[:, None],
+                               np.arange(j0, j1)[None, :])
     return keep * p.dtype.type(1.0 / (1.0 - p.dropout_p))
 
 
@@ -116,7 +118,7 @@ def _sink_grad(p, dout, out, lse):
     with np.errstate(invalid="ignore", over="ignore"):
         # a row with lse = -inf had no key and a -inf sink: no sink weight (0, not NaN)
         p_sink = np.where(np.isneginf(lse), 0, np.exp(sink - lse.astype(p.dtype)))
-        delta = np.einsum("bhld,bhld->bhl", dout, out)
+        delta = np.einsum("bhld,bhld->bhl", dout, out) if p.delta is None else p.delta
         return -np.einsum("bhl,bhl->h", p_sink, delta)
 
 
@@ -221,6 +223,9 @@ class NumpyBackend(Backend):
         _backward_heads). Accumulators are in the compute dtype (float32 or float64), Z and D
         in float64.
 
+        With p.delta (the partial-keys form: k/v are a part of the keys, lse and D belong to the
+        whole problem) there is no first sweep: P = exp(s - lse) unnormalized, D = p.delta.
+
         Returns (dq, dk, dv, dsinks): dsinks (Hq,) is None without sinks. The tiles need no
         change for sinks (lse includes the sink, so P does); dsinks is one reduction over rows.
         """
@@ -299,30 +304,14 @@ class NumpyBackend(Backend):
                 return self._backward_tile(p, qt, dot, kb, vb, lse_t, b, i0, i1, j0,
                                            min(j_hi, j0 + bk), heads, kv_finite)
 
-            # sweep 1: Z and D of every row
-            Z = np.zeros((nkv * G, nq), np.float64)
-            D = np.zeros((nkv * G, nq), np.float64)
-            kept = []
-            for j0 in starts:
-                check_cancelled()                      # the caller was interrupted: stop here
-                t = tile(j0)
-                P, dP = t[0], t[1]
-                Z += P.sum(axis=-1, dtype=np.float64)
-                PdP = P.astype(np.float64) * dP
-                if not t[4]:
-                    np.copyto(PdP, 0, where=(P == 0))                       # masked keys: no NaN
-                D += PdP.sum(axis=-1)
-                if keep_tiles:
-                    kept.append(t)
-            if p.sinks is not None:
-                # lse includes the sink: its weight exp(sink - lse) completes Z (its dP is 0)
-                sink = p.sinks[heads].astype(np.float64)[:, None]
-                with np.errstate(over="ignore"):
-                    Z += np.exp(sink - lse_t[..., 0].astype(np.float64))
-            ok = Z > 0
-            inv_z = np.divide(1.0, Z, out=np.zeros_like(Z), where=ok)
-            d_z = (D * inv_z).astype(dt)[:, :, None]                       # D / Z, (nh, nq, 1)
-            inv_z = inv_z.astype(dt)[:, :, None]
+            if p.delta is not None:
+                # The partial-keys form: k/v are a part of the row's keys, so neither Z nor D of
+                # these tiles is the row's. P = exp(s - lse) with the whole problem's lse, as
+                # recomputed, and D as given: no first sweep.
+                inv_z, keep_tiles = None, False
+                d_z = p.delta[b, heads, i0:i1, None].astype(dt, copy=False)
+            else:
+                inv_z, d_z, kept = self._row_sums(p, tile, starts, keep_tiles, lse_t, heads, nq)
             # sweep 2: dS = (P / Z)(dP - D / Z), and the matmuls
             dq_acc = np.zeros((nkv, G * nq, E), dt)
             for n, j0 in enumerate(starts):
@@ -330,7 +319,8 @@ class NumpyBackend(Backend):
                 j1 = min(j_hi, j0 + bk)
                 nk = j1 - j0
                 P, dP, softcap_grad, drop, finite = kept[n] if keep_tiles else tile(j0)
-                P *= inv_z
+                if inv_z is not None:
+                    P *= inv_z
                 Pd = P * drop if drop is not None else P
                 dv[b, h0:h1, j0:j1] += np.matmul(Pd.reshape(nkv, G * nq, nk).transpose(0, 2, 1), dot)
                 dP -= d_z
@@ -344,6 +334,37 @@ class NumpyBackend(Backend):
                 dq_acc += safe_matmul(dS3, kb[:, j0:j1], kv_finite)
                 dk[b, h0:h1, j0:j1] += np.matmul(dS3.transpose(0, 2, 1), qt)
             dq[b, heads, i0:i1] = dq_acc.reshape(nkv * G, nq, E)
+
+    @staticmethod
+    def _row_sums(p, tile, starts, keep_tiles, lse_t, heads, nq):
+        """Sweep 1 of a query block: (1 / Z, D / Z, the tiles when kept) of its rows, with
+        Z = sum_j P and D = sum_j P dP over the block's key tiles (float64 sums)."""
+        dt = p.dtype
+        nh = lse_t.shape[0]
+        Z = np.zeros((nh, nq), np.float64)
+        D = np.zeros((nh, nq), np.float64)
+        kept = []
+        for j0 in starts:
+            check_cancelled()                      # the caller was interrupted: stop here
+            t = tile(j0)
+            P, dP = t[0], t[1]
+            Z += P.sum(axis=-1, dtype=np.float64)
+            PdP = P.astype(np.float64) * dP
+            if not t[4]:
+                np.copyto(PdP, 0, where=(P == 0))                       # masked keys: no NaN
+            D += PdP.sum(axis=-1)
+            if keep_tiles:
+                kept.append(t)
+        if p.sinks is not None:
+            # lse includes the sink: its weight exp(sink - lse) completes Z (its dP is 0)
+            sink = p.sinks[heads].astype(np.float64)[:, None]
+            with np.errstate(over="ignore"):
+                Z += np.exp(sink - lse_t[..., 0].astype(np.float64))
+        ok = Z > 0
+        inv_z = np.divide(1.0, Z, out=np.zeros_like(Z), where=ok)
+        d_z = (D * inv_z).astype(dt)[:, :, None]                       # D / Z, (nh, nq, 1)
+        inv_z = inv_z.astype(dt)[:, :, None]
+        return inv_z, d_z, kept
 
     @staticmethod
     def _backward_tile(p, qt, dot, kb, vb, lse_t, b, i0, i1, j0, j1, heads, kv_finite):
