@@ -2,28 +2,50 @@
 the speed of 1 vs 2 workers against fastattn called directly (--scaling).
 
     python bench/dask_transfer.py                       # L=S=65536, H=8, d=64, 2 workers
-    python bench/dask_transfer.py --tokens 16384 --chunk 4096
+    python bench/dask_transfer.py --tokens 16384 --chunk 4096 --backward
     python bench/dask_transfer.py --scaling --tokens 16384 --chunk 4096 --rounds 3
 
 q, k, v are made on the workers (chunks of --chunk tokens, all heads in a chunk: context
 parallel), so every byte that moves is attention's own traffic. Reports, per worker, the bytes it
-received from other workers (distributed's transfer log), its peak RSS, and the analytic volume
-of ring attention, 2 * S * Hkv * d * bytes * (P - 1) / P per worker (each worker sees every
-other worker's K and V once), and the time (meaningless on a shared machine; compare ratios).
+received from other workers (distributed's transfer log), its peak RSS during the phase (sampled),
+and the analytic volume of ring attention, 2 * S * Hkv * d * bytes * (P - 1) / P per worker for
+the forward (each worker sees every other worker's K and V once) and twice that for the backward
+(K and V, then the dK and dV accumulators, go round the ring), and the time (meaningless on a
+shared machine; compare ratios). --backward measures the backward after the forward.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import time
 
 import numpy as np
 
 
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _start_sampler(dask_worker) -> None:
+    """Sample this worker's RSS every 20 ms from now on (the phase's peak; ru_maxrss would
+    include everything before)."""
+    import threading
+
+    import psutil
+
+    state = {"peak": 0, "stop": False}
+    proc = psutil.Process()
+
+    def loop():
+        while not state["stop"]:
+            state["peak"] = max(state["peak"], proc.memory_info().rss)
+            time.sleep(0.02)
+
+    threading.Thread(target=loop, daemon=True).start()
+    dask_worker._fastattn_rss = state
+
+
+def _stop_sampler(dask_worker) -> float:
+    state = dask_worker._fastattn_rss
+    state["stop"] = True
+    return state["peak"] / 2**20
 
 
 def _incoming_bytes(dask_worker) -> int:
@@ -41,6 +63,8 @@ def main(argv=None) -> int:
     ap.add_argument("--scaling", action="store_true",
                     help="time direct fastattn, 1 worker and 2 workers, interleaved")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--backward", action="store_true",
+                    help="also the backward's bytes and peak memory (after the forward)")
     args = ap.parse_args(argv)
     if args.scaling:
         return scaling(args)
@@ -60,24 +84,38 @@ def main(argv=None) -> int:
         q, k, v = client.persist([gen.standard_normal(shape, chunks=chunks, dtype=np.float32)
                                   for _ in range(3)])
         wait([q, k, v])
-        before = client.run(_incoming_bytes)
-        t0 = time.perf_counter()
-        out = client.persist(fad.scaled_dot_product_attention(q, k, v, is_causal=True))
-        wait(out)
-        seconds = time.perf_counter() - t0
-        after = client.run(_incoming_bytes)
-        peaks = client.run(_peak_rss_mib)
         P, S = args.workers, args.tokens
-        ring = 2 * S * args.heads * args.head_dim * 4 * (P - 1) / P
+        kv_bytes = S * args.heads * args.head_dim * 4
         chunk_bytes = 3 * np.prod(shape) * 4 / (S // args.chunk)
-        rows = []
-        for addr in sorted(after):
-            moved = after[addr] - before.get(addr, 0)
-            rows.append({"worker": addr, "received_bytes": moved, "ring_bytes": ring,
-                         "ratio_to_ring": moved / ring, "peak_rss_mib": peaks[addr]})
+
+        def phase(make, ring):
+            """Persist make()'s arrays; per worker: bytes received, peak RSS during it."""
+            before = client.run(_incoming_bytes)
+            client.run(_start_sampler)
+            t0 = time.perf_counter()
+            arrs = client.persist(make())
+            wait(arrs)
+            seconds = time.perf_counter() - t0
+            after = client.run(_incoming_bytes)
+            peaks = client.run(_stop_sampler)
+            rows = [{"worker": addr, "received_bytes": after[addr] - before.get(addr, 0),
+                     "ring_bytes": ring,
+                     "ratio_to_ring": (after[addr] - before.get(addr, 0)) / ring,
+                     "peak_rss_mib": peaks[addr]} for addr in sorted(after)]
+            return arrs, {"seconds": seconds, "workers_detail": rows}
+
+        # ring attention: each worker receives the others' K and V once (forward); the
+        # backward's ring also passes the dK, dV accumulators around: twice that
+        (out, lse), fwd = phase(lambda: fad.scaled_dot_product_attention(
+            q, k, v, is_causal=True, return_lse=True), 2 * kv_bytes * (P - 1) / P)
         result = {"tokens": S, "heads": args.heads, "head_dim": args.head_dim,
-                  "chunk": args.chunk, "workers": P, "seconds": seconds,
-                  "qkv_bytes_per_chunk": chunk_bytes, "workers_detail": rows}
+                  "chunk": args.chunk, "workers": P, "qkv_bytes_per_chunk": chunk_bytes,
+                  "forward": fwd}
+        if args.backward:
+            g = client.persist(gen.standard_normal(shape, chunks=chunks, dtype=np.float32))
+            wait(g)
+            _, result["backward"] = phase(lambda: list(fad.scaled_dot_product_attention_backward(
+                g, q, k, v, out, lse, is_causal=True)), 4 * kv_bytes * (P - 1) / P)
         print(json.dumps(result, indent=2))
         if args.json:
             with open(args.json, "w") as fh:
@@ -89,49 +127,16 @@ def main(argv=None) -> int:
 
 
 def scaling(args) -> int:
-    """Median times of direct fastattn (2 threads, this process), a 1-worker and a 2-worker
-    LocalCluster (1 thread each), in interleaved rounds; ratios to direct."""
-    import dask.array as da
-    from distributed import Client, LocalCluster, wait
+    """--scaling: fastattn.bench's dask preset (fastattn/bench/dask_scaling.py) at this size."""
+    from fastattn.bench import dask_scaling
 
-    import fastattn as fa
-    import fastattn.dask as fad
-
-    shape = (1, args.heads, args.tokens, args.head_dim)
-    rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(3))
-    clusters = {n: LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
-                                dashboard_address=":0") for n in (1, 2)}
-    clients = {n: Client(c, set_as_default=False) for n, c in clusters.items()}
-    chunks = (1, args.heads, args.chunk, args.head_dim)
-    try:
-        data = {n: c.persist([da.from_array(x, chunks=chunks) for x in (q, k, v)])
-                for n, c in clients.items()}
-        for n in data:
-            wait(data[n])
-        times = {"direct": [], 1: [], 2: []}
-        for _ in range(args.rounds):
-            t0 = time.perf_counter()
-            fa.scaled_dot_product_attention(q, k, v, is_causal=True)
-            times["direct"].append(time.perf_counter() - t0)
-            for n, c in clients.items():
-                t0 = time.perf_counter()
-                fut = c.compute(fad.scaled_dot_product_attention(*data[n], is_causal=True))
-                fut.result()
-                times[n].append(time.perf_counter() - t0)
-        med = {key: float(np.median(t)) for key, t in times.items()}
-        result = {"tokens": args.tokens, "heads": args.heads, "chunk": args.chunk,
-                  "rounds": args.rounds, "median_seconds": {str(k): v for k, v in med.items()},
-                  "speedup_2_over_1_worker": med[1] / med[2],
-                  "1_worker_over_direct": med[1] / med["direct"],
-                  "2_workers_over_direct": med[2] / med["direct"]}
-        print(json.dumps(result, indent=2))
-        return 0
-    finally:
-        for c in clients.values():
-            c.close()
-        for c in clusters.values():
-            c.close()
+    res = dask_scaling.run(args.rounds, tokens=args.tokens, heads=args.heads,
+                           head_dim=args.head_dim, chunk=args.chunk)
+    print(dask_scaling.markdown(res))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(res, fh, indent=2)
+    return 0
 
 
 if __name__ == "__main__":

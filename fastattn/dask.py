@@ -18,22 +18,24 @@ How the work is cut (`pip install 'fastattn[dask]'`; `import fastattn` never imp
   exp(lse_part - lse) * out_part);
 - along the query sequence with causal masking or a window, tiles the band leaves empty are not
   created at all, so the graph holds only the causal half; the scheduler spreads the remaining
-  tiles, which are of equal size, over the workers (work stealing balances the uneven rows).
-- positions are global: causal (both alignments), windows and ALiBi use the tile's place in the
-  whole problem, so a chunked run equals the single-machine one.
+  tiles, which are of equal size, over the workers (work stealing balances the uneven rows);
+- positions are global: causal (both alignments), windows, ALiBi and the dropout hash use the
+  tile's place in the whole problem, so a chunked run equals the single-machine one (dropout
+  keeps exactly the same weights);
+- attn_mask may be a NumPy or a dask array (broadcastable to (..., Hq, L, S)); it is chunked like
+  the tiles and each tile reads only its own block, a graph dependency like q, k and v.
 
-The backward (`scaled_dot_product_attention_backward`) takes the forward's out and lse. Each
-query chunk's task needs all keys of its heads at once (key chunks are merged into one there),
-so its gradients are exact with the kernels as they are; dk and dv are summed over the query
-chunks by a tree. Splitting the backward's keys across workers needs a kernel mode that takes
-the global D = rowsum(dO * O) instead of recomputing it from the tile: not built yet.
-
-Not supported yet: dropout (the kernels do not take the hash's position offsets yet) and
-attn_mask as a dask array (a NumPy mask is sliced per tile when the graph is built).
+The backward (`scaled_dot_product_attention_backward`) takes the forward's out and lse and has
+the same tiles: each (query chunk, key chunk) tile computes its share of the gradients with the
+whole problem's lse and D = rowsum(dO * O) (the partial-keys backward: FlashAttention-2's form,
+P = exp(s - lse) over the tile's keys), so no task needs all keys of a head; dq is summed over
+key chunks and dk, dv over query chunks, by trees. With one key chunk the tiles hold every key
+and compute their own row sums instead (the kernels' usual, more accurate form).
 """
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 
@@ -45,9 +47,11 @@ except ImportError as exc:  # pragma: no cover - only without the extra
     raise ImportError("fastattn.dask needs dask: pip install 'fastattn[dask]' "
                       "(dask[array] and distributed)") from exc
 
-from . import _backends
+from . import _backends, _parts
 from . import api as _api
-from ._inputs import (ALIGNMENTS, Band, check_window, compute_dtype, lse_dtype, make_problem)
+from ._inputs import (ALIGNMENTS, check_attn_mask, check_backward_rng, check_dropout,
+                      check_window, compute_dtype, dropout_seed, for_kernels, lse_dtype,
+                      make_problem)
 
 __all__ = ["scaled_dot_product_attention", "scaled_dot_product_attention_backward"]
 
@@ -55,72 +59,33 @@ MERGE_FAN_IN = 4
 
 
 # ----------------------------------------------------------------------------------------------
-# the band of one tile, in the tile's own coordinates
-# ----------------------------------------------------------------------------------------------
-def _global_band(L: int, S: int, is_causal: bool, alignment: str, window):
-    """(q_offset, left, right) of the whole problem; None = unbounded side."""
-    left, right = window
-    if is_causal:
-        right = 0 if right is None else min(right, 0)
-    return (0 if alignment == "top_left" else S - L), left, right
-
-
-def _tile_band(band, r0: int, c0: int, L: int, S: int):
-    """(Band, shift) for rows r0.. and keys c0.. of the whole problem's band, in the tile's
-    coordinates, or None when the band leaves the tile no key at all.
-
-    The kernels take a band as j in [i + q_offset - left, i + q_offset + right] with an
-    unbounded side stored as L + S + 1, which is unbounded only for q_offset within
-    [-(L-1), S-1]. A tile far from the diagonal has q_offset outside that range, so it is moved
-    to the nearest end (`shift` = the tile's true q_offset minus the one given) and the bounded
-    sides are moved with it: the same constraints. ALiBi reads q_offset too; see _tile_forward.
-    """
-    q_off_g, left, right = band
-    q_off = q_off_g + r0 - c0                      # key position of the tile's query row 0
-    unb = L + S + 1
-    lo = None if left is None else q_off - left    # row i's keys: [i + lo, i + hi]
-    hi = None if right is None else q_off + right
-    if L == 0 or S == 0 or (lo is not None and lo > S - 1) or (hi is not None and hi < -(L - 1)):
-        return None
-    if lo is not None and lo <= -(L - 1):
-        lo = None                                  # no key of the tile is cut on the left
-    if hi is not None and hi >= S - 1:
-        hi = None
-    q_new = min(max(q_off, -(L - 1)), S - 1)
-    return (Band(q_new, unb if lo is None else q_new - lo, unb if hi is None else hi - q_new, unb),
-            q_off - q_new)
-
-
-# ----------------------------------------------------------------------------------------------
 # what one task runs
 # ----------------------------------------------------------------------------------------------
 def _problem(q, k, v, mask, alibi, opts, tile, fn):
-    """The tile's Problem: the user's options, with the band in the tile's coordinates; and the
-    q_offset shift of _tile_band."""
-    band, r0, c0 = tile
-    tb, shift = _tile_band(band, r0, c0, q.shape[-2], k.shape[-2])
-    p = make_problem(q, k, v, mask, 0.0, False, opts["scale"], opts["enable_gqa"],
-                     softcap=opts["softcap"], alibi_slopes=alibi, fn=fn)
-    p.band = tb
+    """The tile's Problem with global positions (band, dropout hash), and the ALiBi shift of
+    _parts.place. tile = (global band, first row, first key, dropout origin)."""
+    band, r0, c0, origin = tile
+    p = make_problem(q, k, v, mask, opts["dropout_p"], False, opts["scale"], opts["enable_gqa"],
+                     softcap=opts["softcap"], alibi_slopes=alibi, rng=0, fn=fn)
+    p.seed = opts["seed"]                        # the whole problem's, drawn once
+    shift = _parts.place(p, band, r0, c0, origin)
     return p, shift
+
+
+def _backend(p, op, opts):
+    be = _backends.resolve(p, op, opts["backend"])
+    return _backends.registry["numpy"] if p.is_empty or p.q.shape[3] == 0 else be
 
 
 def _tile_forward(q, k, v, mask, alibi, opts, tile):
     """(out, lse) of one tile, out in the compute dtype (partials are merged before the cast)."""
     p, shift = _problem(q, k, v, mask, alibi, opts, tile,
                         "fastattn.dask.scaled_dot_product_attention")
-    be = _backends.resolve(p, "forward", opts["backend"])
-    if p.is_empty or p.q.shape[3] == 0:
-        be = _backends.registry["numpy"]
-    out, lse = be.forward(p)
-    out, lse = out.reshape(p.out_shape), lse.reshape(p.lse_shape)
-    if shift and alibi is not None:
-        # The tile sits wholly on one side of the diagonal, so |pos_i - j| = |i + q_new - j| +
-        # |shift| for every (i, j): the true bias is the computed one minus slope * |shift|, a
-        # constant per row, which leaves the weights (and out) as they are and lowers the lse.
-        slopes = np.asarray(alibi, lse.dtype)
-        lse = lse - slopes[..., None] * abs(shift)
-    return out, lse
+    p = for_kernels(p)[0]
+    out, lse = _backend(p, "forward", opts).forward(p)
+    if shift:
+        lse = lse - _parts.alibi_shift(p.alibi, shift, lse.dtype)
+    return out.reshape(p.out_shape), lse.reshape(p.lse_shape)
 
 
 def _empty_part(q_shape, Ev, dtype):
@@ -130,11 +95,9 @@ def _empty_part(q_shape, Ev, dtype):
 
 
 def _merge(*parts):
-    outs = [o for o, _ in parts]
-    lses = [s for _, s in parts]
     if len(parts) == 1:
         return parts[0]
-    return _api.merge_attention(outs, lses)
+    return _api.merge_attention([o for o, _ in parts], [s for _, s in parts])
 
 
 def _finish(part, dtype, sinks_slice):
@@ -144,33 +107,46 @@ def _finish(part, dtype, sinks_slice):
     return out.astype(dtype, copy=False), lse
 
 
-def _tile_backward(dout, q, k, v, out, lse, mask, alibi, sinks, opts, tile):
-    p, shift = _problem(q, k, v, mask, alibi, opts, tile,
-                        "fastattn.dask.scaled_dot_product_attention_backward")
-    if shift and alibi is not None:
-        # the shifted tile's scores are the true ones plus slope * |shift| (see _tile_forward):
-        # so is its lse, and so must its sinks be
-        c = np.asarray(alibi, np.float64) * abs(shift)
-        lse = lse + c[..., None].astype(lse.dtype)
-        if sinks is not None:
-            if c.ndim > 1:
-                raise ValueError("fastattn.dask.scaled_dot_product_attention_backward: sinks with "
-                                 "per-batch alibi_slopes and query rows past the last key "
-                                 "(L > S) are not supported yet")
-            sinks = sinks + c.astype(np.asarray(sinks).dtype)
-    p.sinks = None if sinks is None else np.ascontiguousarray(sinks, p.dtype)
-    be = _backends.resolve(p, "backward", opts["backend"])
-    if p.is_empty:
-        be = _backends.registry["numpy"]
+def _tile_backward(dout, q, k, v, out, lse, mask, alibi, sinks, opts, tile, keys_part):
+    """(dq, dk, dv) of one tile. keys_part: the tile holds a part of its rows' keys, so it takes
+    the whole problem's lse and D = rowsum(dout * out) (Problem.delta); else it holds all of
+    them and the kernels form the row sums from its own tiles (sinks then complete them)."""
+    fn = "fastattn.dask.scaled_dot_product_attention_backward"
+    p, shift = _problem(q, k, v, mask, alibi, opts, tile, fn)
+    p, dq_factor = for_kernels(p)
     B, Hq, L, _ = p.q.shape
     Ev = p.v.shape[3]
     g = np.ascontiguousarray(dout, p.dtype).reshape(B, Hq, L, Ev)
     o = np.ascontiguousarray(out, p.dtype).reshape(B, Hq, L, Ev)
     s = np.ascontiguousarray(lse, lse_dtype(p.dtype)).reshape(B, Hq, L)
-    grads = be.backward(p, g, o, s)
-    dq, dk, dv = (x.reshape(shape) for x, shape in zip(grads[:3], (q.shape, k.shape, v.shape)))
-    ds = grads[3] if len(grads) > 3 else None
-    return dq, dk, dv, ds
+    if keys_part:
+        p.delta = _parts.row_delta(g, o, p.dtype)
+    elif sinks is not None:
+        p.sinks = np.ascontiguousarray(sinks, p.dtype)
+    if shift:
+        # the moved tile's scores exceed the true ones by c (see _parts.alibi_shift): so must
+        # its lse, and the sinks the kernels add to its row sums
+        c = _parts.alibi_shift(p.alibi, shift, s.dtype)
+        s = s + c
+        if p.sinks is not None:
+            if c.shape[0] > 1:
+                raise ValueError(f"{fn}: sinks with per-batch alibi_slopes and query rows past "
+                                 f"the last key (L > S) are not supported yet")
+            p.sinks = p.sinks + c[0, :, 0].astype(p.dtype)
+    dq, dk, dv, _ = _backend(p, "backward", opts).backward(p, g, o, s)
+    if dq_factor is not None:
+        with np.errstate(invalid="ignore"):
+            dq = dq * p.dtype.type(dq_factor)
+    return tuple(x.reshape(shape) for x, shape in zip((dq, dk, dv), (q.shape, k.shape, v.shape)))
+
+
+def _row_dsinks(dout, out, lse, sinks):
+    """dsinks (Hq,) of one query block: -sum_{b,i} exp(sink - lse) * rowsum(dout * out)."""
+    Hq, L = lse.shape[-2:]
+    g = np.asarray(dout).reshape(-1, Hq, L, dout.shape[-1])
+    o = np.asarray(out).reshape(g.shape)
+    return _parts.sink_grad(np.asarray(sinks, np.float64), np.asarray(lse).reshape(-1, Hq, L),
+                            _parts.row_delta(g, o, np.float64))
 
 
 def _add(*xs):
@@ -180,8 +156,16 @@ def _add(*xs):
     return total
 
 
+def _zeros(shape, dtype):
+    return np.zeros(shape, dtype)
+
+
 def _pick(t, i):
     return t[i]
+
+
+def _cast(x, dtype):
+    return x.astype(dtype, copy=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -201,9 +185,11 @@ def _offsets(chunks):
 
 class _Layout:
     """q, k, v rechunked so that their blocks line up: the same batch chunks, kv-head chunks
-    times the group for the query heads, one chunk along E, v's keys chunked like k's."""
+    times the group for the query heads, one chunk along E, v's keys chunked like k's. With
+    dropout, the batch dims after the first are one chunk each, so a block's flattened batch
+    index is an offset plus the block's own (the dropout hash's batch*head is affine in it)."""
 
-    def __init__(self, query, key, value, enable_gqa, fn):
+    def __init__(self, query, key, value, enable_gqa, fn, flat_batch=False):
         q, k, v = (_as_dask(x, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
         self.squeeze = q.ndim == 2
         if self.squeeze:
@@ -216,6 +202,8 @@ class _Layout:
         Hq, Hkv = q.shape[-3], k.shape[-3]
         g = Hq // Hkv
         batch = tuple(q.chunks[:nb])
+        if flat_batch:
+            batch = batch[:1] + tuple((n,) for n in q.shape[1:nb])
         kv_heads = k.chunks[nb]
         q_heads = tuple(c * g for c in kv_heads)
         self.q = q.rechunk(batch + (q_heads, q.chunks[nb + 1], (q.shape[-1],)))
@@ -230,20 +218,59 @@ class _Layout:
         return itertools.product(itertools.product(*(range(len(c)) for c in self.q.chunks[:nb])),
                                  range(len(self.k.chunks[nb])))
 
+    def origin(self, bidx, hb, r0, c0):
+        """The dropout hash's (bh0, bh_stride, row0, col0) of a tile (see the class doc)."""
+        q, nb = self.q, self.nb
+        Hq = q.shape[-3]
+        inner = math.prod(q.shape[1:nb])
+        b0 = int(_offsets(q.chunks[0])[bidx[0]]) * inner if nb else 0
+        h0 = int(_offsets(q.chunks[nb])[hb])
+        return (b0 * Hq + h0, Hq, r0, c0)
+
 
 def _slices(chunks, idx):
     return tuple(slice(o[i], o[i + 1]) for o, i in zip((_offsets(c) for c in chunks), idx))
 
 
-def _mask_piece(mask, full_shape, bidx_slices, hs, ls, ss):
-    """The NumPy mask's piece for one tile (broadcast dims stay size 1)."""
-    if mask is None:
-        return None
-    m = mask.reshape((1,) * (len(full_shape) - mask.ndim) + mask.shape)
-    sl = []
-    for ax, s in enumerate(bidx_slices + (hs, ls, ss)):
-        sl.append(slice(None) if m.shape[ax] == 1 else s)
-    return np.ascontiguousarray(m[tuple(sl)])
+class _Mask:
+    """attn_mask (NumPy or dask) as a dask array of the full score rank, chunked like the
+    tiles: broadcast (size-1) dims stay one chunk, the others follow q's batch and head chunks,
+    q's query chunks and k's key chunks. block(...) is a tile's block key (a graph dependency)."""
+
+    def __init__(self, mask, lay, fn):
+        q, k = lay.q, lay.k
+        full = q.shape[:-1] + (k.shape[-2],)
+        if not isinstance(mask, da.Array):
+            mask = check_attn_mask(mask, full, fn)          # dtype and shape, before chunking
+            if mask.ndim and 0 in mask.strides:
+                # a stride-0 (np.broadcast_to) axis holds one value: keep it length 1, or the
+                # graph would carry (and pickle) the repeats densely
+                mask = mask[tuple(slice(0, 1) if st == 0 else slice(None)
+                                  for st in mask.strides)]
+        elif mask.ndim > len(full) or any(a not in (1, b) for a, b in
+                                          zip(mask.shape[::-1], full[::-1])):
+            raise ValueError(f"{fn}: attn_mask of shape {mask.shape} does not broadcast to the "
+                             f"score shape {full} (batch..., heads, L, S)")
+        m = mask.reshape((1,) * (len(full) - mask.ndim) + mask.shape)
+        if m.dtype != np.bool_ and compute_dtype(m.dtype) is None:
+            raise TypeError(f"{fn}: attn_mask must be a bool mask (True = take part) or a float "
+                            f"mask added to the scores, got dtype {m.dtype}")
+        want = q.chunks[:-1] + (k.chunks[-2],)
+        chunks = tuple((1,) if n == 1 else c for n, c in zip(m.shape, want))
+        if isinstance(m, da.Array):
+            self.arr = m.rechunk(chunks)
+        else:
+            self.arr = da.from_array(m, chunks=chunks, name=False)
+        self.broadcast = tuple(n == 1 for n in m.shape)
+        self.dtype = m.dtype
+
+    def block(self, bidx, hb, li, si):
+        idx = bidx + (hb, li, si)
+        return (self.arr.name,) + tuple(0 if b else i for b, i in zip(self.broadcast, idx))
+
+    def stand_in(self):
+        """A (1, ..., 1) NumPy mask of the same dtype, for the option checks."""
+        return np.zeros((1,) * self.arr.ndim, self.dtype)
 
 
 def _alibi_piece(alibi, batch_shape, bidx_slices, hs):
@@ -256,76 +283,98 @@ def _alibi_piece(alibi, batch_shape, bidx_slices, hs):
     return np.ascontiguousarray(a[bidx_slices + (hs,)])
 
 
-def _options(fn, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, window,
-             softcap, alibi_slopes, sinks, rng, backend):
-    if dropout_p:
-        raise ValueError(f"{fn}: dropout_p > 0 is not supported on dask arrays yet (the kernels "
-                         f"do not take the dropout hash's position offsets yet), got {dropout_p!r}")
-    if attn_mask is not None and not isinstance(attn_mask, np.ndarray):
-        if isinstance(attn_mask, da.Array):
-            raise TypeError(f"{fn}: attn_mask as a dask array is not supported yet; pass a NumPy "
-                            f"mask (it is sliced per tile)")
-        attn_mask = np.asarray(attn_mask)
+def _options(fn, dropout_p, is_causal, causal_alignment, window, scale, enable_gqa, softcap,
+             backend, rng, backward=False):
     if causal_alignment not in ALIGNMENTS:
         raise ValueError(f"{fn}: causal_alignment must be 'top_left' or 'bottom_right', got "
                          f"{causal_alignment!r}")
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"{fn}: is_causal must be a bool, got {type(is_causal).__name__}")
-    opts = dict(scale=scale, enable_gqa=enable_gqa, softcap=softcap, backend=backend)
-    return attn_mask, check_window(window, fn), opts
+    p_drop = check_dropout(dropout_p, fn)
+    if backward:
+        check_backward_rng(p_drop, rng, fn)
+    # one seed for the whole problem (a Generator or None draws it here, once)
+    seed = dropout_seed(rng, fn) if p_drop > 0 else 0
+    opts = dict(scale=scale, enable_gqa=enable_gqa, softcap=softcap, backend=backend,
+                dropout_p=p_drop, seed=seed)
+    return check_window(window, fn), opts
 
 
-def _graph_forward(lay, mask, alibi, sinks, opts, band_of, fn):
+def _check_options(lay, mask, opts, alibi, sinks, win, is_causal, alignment, fn):
+    """Every option checked once, on a one-row stand-in of the whole problem."""
+    q, k, v = lay.q, lay.k, lay.v
+    stand = [np.zeros(x.shape[:-2] + (1, x.shape[-1]), x.dtype) for x in (q, k, v)]
+    m = None if mask is None else mask.stand_in()
+    kw = {} if sinks is None else {"sinks": sinks}
+    _api.scaled_dot_product_attention(*stand, m, opts["dropout_p"], bool(is_causal),
+                                      opts["scale"], opts["enable_gqa"],
+                                      causal_alignment=alignment, window=win,
+                                      softcap=opts["softcap"], alibi_slopes=alibi, rng=0,
+                                      backend=opts["backend"], **kw)
+
+
+def _tiles(lay, band):
+    """Every non-empty tile: (bidx, hb, li, si, tile) with tile = (band, r0, c0, origin); the
+    tiles the band leaves without a key are not made."""
+    q, k, nb = lay.q, lay.k, lay.nb
+    lo, so = _offsets(q.chunks[nb + 1]), _offsets(k.chunks[nb + 1])
+    for bidx, hb in lay.blocks():
+        for li in range(len(lo) - 1):
+            for si in range(len(so) - 1):
+                r0, c0 = int(lo[li]), int(so[si])
+                if _parts.tile_band(band, r0, c0, int(lo[li + 1]) - r0,
+                                    int(so[si + 1]) - c0) is not None:
+                    yield bidx, hb, li, si, (band, r0, c0, lay.origin(bidx, hb, r0, c0))
+
+
+def _tree(layer, name, parts, fn, index):
+    """A tree of fn(*up to MERGE_FAN_IN parts) over `parts`; returns the root's key."""
+    level = 0
+    while len(parts) > 1:
+        nxt = []
+        for i in range(0, len(parts), MERGE_FAN_IN):
+            key = (f"{name}{level}",) + index + (i,)
+            layer[key] = (fn,) + tuple(parts[i:i + MERGE_FAN_IN])
+            nxt.append(key)
+        parts, level = nxt, level + 1
+    return parts[0]
+
+
+def _graph_forward(lay, mask, alibi, sinks, opts, band):
     q, k, v = lay.q, lay.k, lay.v
     nb = lay.nb
-    name = "fastattn-sdpa-" + dask.base.tokenize(q, k, v, mask, alibi, sinks, repr(opts),
-                                                 repr(band_of))
+    name = "fastattn-sdpa-" + dask.base.tokenize(q, k, v, None if mask is None else mask.arr,
+                                                 alibi, sinks, repr(opts), repr(band))
     layer = {}
     Ev = v.shape[-1]
-    L, S = q.shape[-2], k.shape[-2]
-    band = band_of(L, S)
-    lo, so = _offsets(q.chunks[nb + 1]), _offsets(k.chunks[nb + 1])
     batch_shape = q.shape[:nb]
-    full_shape = q.shape[:-1] + (S,)
-    for bidx, hb in lay.blocks():
+    parts = {}
+    for bidx, hb, li, si, tile in _tiles(lay, band):
         bsl = _slices(q.chunks[:nb], bidx)
         hs = _slices((q.chunks[nb],), (hb,))[0]
-        a = _alibi_piece(alibi, batch_shape, bsl, hs)
-        for li in range(len(lo) - 1):
-            parts = []
-            for si in range(len(so) - 1):
-                tile = (band, int(lo[li]), int(so[si]))
-                Lc, Sc = int(lo[li + 1] - lo[li]), int(so[si + 1] - so[si])
-                if _tile_band(band, tile[1], tile[2], Lc, Sc) is None:
-                    continue                                     # the band leaves it empty
-                m = _mask_piece(mask, full_shape, bsl, hs, slice(lo[li], lo[li + 1]),
-                                slice(so[si], so[si + 1]))
-                key = (name + "-tile",) + bidx + (hb, li, si)
-                layer[key] = (_tile_forward, (q.name,) + bidx + (hb, li, 0),
-                              (k.name,) + bidx + (hb, si, 0), (v.name,) + bidx + (hb, si, 0),
-                              m, a, opts, tile)
-                parts.append(key)
-            if not parts:
-                shape = tuple(c[i] for c, i in zip(q.chunks, bidx + (hb, li, 0)))
-                key = (name + "-empty",) + bidx + (hb, li)
-                layer[key] = (_empty_part, shape, Ev, lay.dtype)
-                parts = [key]
-            level = 0
-            while len(parts) > 1:                                # tree of merges
-                nxt = []
-                for i in range(0, len(parts), MERGE_FAN_IN):
-                    key = (name + f"-merge{level}",) + bidx + (hb, li, i)
-                    layer[key] = (_merge,) + tuple(parts[i:i + MERGE_FAN_IN])
-                    nxt.append(key)
-                parts, level = nxt, level + 1
-            s_sl = None if sinks is None else np.asarray(sinks)[hs]
-            fin = (name + "-fin",) + bidx + (hb, li)
-            layer[fin] = (_finish, parts[0], lay.dtype, s_sl)
-            layer[(name + "-out",) + bidx + (hb, li, 0)] = (_pick, fin, 0)
-            layer[(name + "-lse",) + bidx + (hb, li)] = (_pick, fin, 1)
-    out = _array(layer, name + "-out", q.chunks[:-1] + ((Ev,),), lay.dtype, [q, k, v])
-    lse = _array(layer, name + "-lse", q.chunks[:-1], lse_dtype(compute_dtype(lay.dtype)),
-                 [q, k, v])
+        key = (name + "-tile",) + bidx + (hb, li, si)
+        layer[key] = (_tile_forward, (q.name,) + bidx + (hb, li, 0),
+                      (k.name,) + bidx + (hb, si, 0), (v.name,) + bidx + (hb, si, 0),
+                      None if mask is None else mask.block(bidx, hb, li, si),
+                      _alibi_piece(alibi, batch_shape, bsl, hs), opts, tile)
+        parts.setdefault((bidx, hb, li), []).append(key)
+    for bidx, hb in lay.blocks():
+        hs = _slices((q.chunks[nb],), (hb,))[0]
+        for li in range(len(q.chunks[nb + 1])):
+            index = bidx + (hb, li)
+            row = parts.get((bidx, hb, li))
+            if not row:
+                shape = tuple(c[i] for c, i in zip(q.chunks, index + (0,)))
+                row = [(name + "-empty",) + index]
+                layer[row[0]] = (_empty_part, shape, Ev, lay.dtype)
+            root = _tree(layer, name + "-merge", row, _merge, index)
+            fin = (name + "-fin",) + index
+            layer[fin] = (_finish, root, lay.dtype, None if sinks is None else np.asarray(sinks)[hs])
+            layer[(name + "-out",) + index + (0,)] = (_pick, fin, 0)
+            layer[(name + "-lse",) + index] = (_pick, fin, 1)
+    deps = [q, k, v] + ([] if mask is None else [mask.arr])
+    out = _array(layer, name + "-out", q.chunks[:-1] + ((Ev,),), lay.dtype, deps)
+    lse = _array(layer, name + "-lse", q.chunks[:-1], lse_dtype(compute_dtype(lay.dtype)), deps)
     return out, lse
 
 
@@ -335,39 +384,24 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  alibi_slopes=None, sinks=None, return_lse=False, rng=None,
                                  backend=None):
     """fastattn.scaled_dot_product_attention on dask arrays (same arguments and semantics);
-    returns dask arrays: out (..., Hq, L, Ev) chunked like query, and lse with return_lse."""
+    returns dask arrays: out (..., Hq, L, Ev) chunked like query, and lse with return_lse.
+
+    attn_mask may be a NumPy or a dask array. With dropout, the kept weights are those of the
+    single-process call with the same int `rng` (a Generator or None draws one seed, once)."""
     fn = "fastattn.dask.scaled_dot_product_attention"
-    lay = _Layout(query, key, value, enable_gqa, fn)
-    mask, win, opts = _options(fn, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                               causal_alignment, window, softcap, alibi_slopes, sinks, rng, backend)
-    # every option checked once, here, on a one-row stand-in of the whole problem
+    win, opts = _options(fn, dropout_p, is_causal, causal_alignment, window, scale, enable_gqa,
+                         softcap, backend, rng)
+    lay = _Layout(query, key, value, enable_gqa, fn, flat_batch=opts["dropout_p"] > 0)
+    mask = None if attn_mask is None else _Mask(attn_mask, lay, fn)
     _check_options(lay, mask, opts, alibi_slopes, sinks, win, is_causal, causal_alignment, fn)
-    out, lse = _graph_forward(lay, mask, alibi_slopes, sinks, opts,
-                              lambda L, S: _global_band(L, S, bool(is_causal), causal_alignment,
-                                                        win), fn)
+    band = _parts.global_band(lay.q.shape[-2], lay.k.shape[-2], bool(is_causal),
+                              causal_alignment, win)
+    out, lse = _graph_forward(lay, mask, alibi_slopes, sinks, opts, band)
     qc = lay.in_chunks[0]
     out, lse = out.rechunk(qc[:-1] + out.chunks[-1:]), lse.rechunk(qc[:-1])
     if lay.squeeze:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out
-
-
-def _check_options(lay, mask, opts, alibi, sinks, win, is_causal, alignment, fn):
-    q, k, v = lay.q, lay.k, lay.v
-    stand = [np.zeros(x.shape[:-2] + (1, x.shape[-1]), x.dtype) for x in (q, k, v)]
-    m = None
-    if mask is not None:
-        m = mask.reshape((1,) * (q.ndim - mask.ndim) + mask.shape)
-        full = q.shape[:-1] + (k.shape[-2],)
-        if m.ndim > q.ndim or any(a not in (1, b) for a, b in zip(m.shape, full)):
-            raise ValueError(f"{fn}: attn_mask of shape {mask.shape} does not broadcast to the "
-                             f"score shape {full} (batch..., heads, L, S)")
-        m = m[..., :1, :1]
-    kw = {} if sinks is None else {"sinks": sinks}
-    _api.scaled_dot_product_attention(*stand, m, 0.0, bool(is_causal), opts["scale"],
-                                      opts["enable_gqa"], causal_alignment=alignment,
-                                      window=win, softcap=opts["softcap"], alibi_slopes=alibi,
-                                      backend=opts["backend"], **kw)
 
 
 def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse, attn_mask=None,
@@ -376,21 +410,19 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
                                           window=None, softcap=None, alibi_slopes=None,
                                           sinks=None, rng=None, backend=None):
     """Gradients (dq, dk, dv) of the dask forward as dask arrays chunked like query, key, value
-    (and dsinks as a NumPy-backed dask array when sinks are given). See the module doc: each
-    query chunk's task reads all keys of its heads."""
+    (and dsinks as a one-chunk dask array when sinks are given). Same tiles as the forward;
+    each takes the whole problem's lse and D (see the module doc), so no task reads all keys.
+    With dropout pass the forward's int `rng`."""
     fn = "fastattn.dask.scaled_dot_product_attention_backward"
-    lay = _Layout(query, key, value, enable_gqa, fn)
-    mask, win, opts = _options(fn, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                               causal_alignment, window, softcap, alibi_slopes, sinks, rng, backend)
+    win, opts = _options(fn, dropout_p, is_causal, causal_alignment, window, scale, enable_gqa,
+                         softcap, backend, rng, backward=True)
+    lay = _Layout(query, key, value, enable_gqa, fn, flat_batch=opts["dropout_p"] > 0)
+    mask = None if attn_mask is None else _Mask(attn_mask, lay, fn)
     _check_options(lay, mask, opts, alibi_slopes, sinks, win, is_causal, causal_alignment, fn)
     nb = lay.nb
-    q = lay.q
-    k = lay.k.rechunk(lay.k.chunks[:nb + 1] + ((lay.k.shape[-2],), lay.k.chunks[-1]))
-    v = lay.v.rechunk(lay.v.chunks[:nb + 1] + ((lay.v.shape[-2],), lay.v.chunks[-1]))
+    q, k, v = lay.q, lay.k, lay.v
     sq = 1 if lay.squeeze else 0
-    g = _as_dask(grad_out, "grad_out")
-    o = _as_dask(out, "out")
-    s = _as_dask(lse, "lse")
+    g, o, s = _as_dask(grad_out, "grad_out"), _as_dask(out, "out"), _as_dask(lse, "lse")
     if lay.squeeze:
         g, o, s = g[None], o[None], s[None]
     Ev = v.shape[-1]
@@ -401,37 +433,47 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
     g = g.rechunk(q.chunks[:-1] + ((Ev,),))
     o = o.rechunk(q.chunks[:-1] + ((Ev,),))
     s = s.rechunk(q.chunks[:-1])
-    L, S = q.shape[-2], k.shape[-2]
-    band = _global_band(L, S, bool(is_causal), causal_alignment, win)
-    name = "fastattn-sdpa-bwd-" + dask.base.tokenize(g, q, k, v, o, s, mask, alibi_slopes, sinks,
-                                                     repr(opts), band)
+    band = _parts.global_band(q.shape[-2], k.shape[-2], bool(is_causal), causal_alignment, win)
+    name = "fastattn-sdpa-bwd-" + dask.base.tokenize(
+        g, q, k, v, o, s, None if mask is None else mask.arr, alibi_slopes, sinks, repr(opts),
+        band)
+    keys_part = len(k.chunks[nb + 1]) > 1
     layer = {}
-    lo = _offsets(q.chunks[nb + 1])
     batch_shape = q.shape[:nb]
-    full_shape = q.shape[:-1] + (S,)
-    ds_keys = []
-    for bidx, hb in lay.blocks():
+    dq_parts, dkv_parts = {}, {}
+    for bidx, hb, li, si, tile in _tiles(lay, band):
         bsl = _slices(q.chunks[:nb], bidx)
         hs = _slices((q.chunks[nb],), (hb,))[0]
-        a = _alibi_piece(alibi_slopes, batch_shape, bsl, hs)
-        sk = None if sinks is None else np.asarray(sinks)[hs]
-        dk_parts, dv_parts = [], []
-        for li in range(len(lo) - 1):
-            tile = (band, int(lo[li]), 0)
-            m = _mask_piece(mask, full_shape, bsl, hs, slice(lo[li], lo[li + 1]), slice(0, S))
-            key = (name + "-tile",) + bidx + (hb, li)
-            layer[key] = (_tile_backward, (g.name,) + bidx + (hb, li, 0),
-                          (q.name,) + bidx + (hb, li, 0), (k.name,) + bidx + (hb, 0, 0),
-                          (v.name,) + bidx + (hb, 0, 0), (o.name,) + bidx + (hb, li, 0),
-                          (s.name,) + bidx + (hb, li), m, a, sk, opts, tile)
-            layer[(name + "-dq",) + bidx + (hb, li, 0)] = (_pick, key, 0)
-            dk_parts.append((_pick, key, 1))
-            dv_parts.append((_pick, key, 2))
+        row = bidx + (hb, li)
+        key = (name + "-tile",) + bidx + (hb, li, si)
+        layer[key] = (_tile_backward, (g.name,) + row + (0,), (q.name,) + row + (0,),
+                      (k.name,) + bidx + (hb, si, 0), (v.name,) + bidx + (hb, si, 0),
+                      (o.name,) + row + (0,), (s.name,) + row,
+                      None if mask is None else mask.block(bidx, hb, li, si),
+                      _alibi_piece(alibi_slopes, batch_shape, bsl, hs),
+                      None if sinks is None else np.asarray(sinks)[hs], opts, tile, keys_part)
+        dq_parts.setdefault(row, []).append((_pick, key, 0))
+        dkv_parts.setdefault(bidx + (hb, si), []).append(key)
+    ds_parts = []
+    for bidx, hb in lay.blocks():
+        hs = _slices((q.chunks[nb],), (hb,))[0]
+        for li in range(len(q.chunks[nb + 1])):
+            row = bidx + (hb, li)
+            _reduce(layer, name + "-dq", row, dq_parts.get(row),
+                    tuple(c[i] for c, i in zip(q.chunks, row + (0,))), q.dtype)
             if sinks is not None:
-                ds_keys.append(((hs.start, hs.stop), (_pick, key, 3)))
-        layer[(name + "-dk",) + bidx + (hb, 0, 0)] = (_add,) + tuple(dk_parts)
-        layer[(name + "-dv",) + bidx + (hb, 0, 0)] = (_add,) + tuple(dv_parts)
-    deps = [g, q, k, v, o, s]
+                key = (name + "-ds",) + row
+                layer[key] = (_row_dsinks, (g.name,) + row + (0,), (o.name,) + row + (0,),
+                              (s.name,) + row, np.asarray(sinks)[hs])
+                ds_parts.append(((hs.start, hs.stop), key))
+        for si in range(len(k.chunks[nb + 1])):
+            col = bidx + (hb, si)
+            tiles = dkv_parts.get(col)
+            for j, (x, nm) in enumerate(((k, "-dk"), (v, "-dv"))):
+                _reduce(layer, name + nm, col, None if tiles is None else
+                        [(_pick, t, j + 1) for t in tiles],
+                        tuple(c[i] for c, i in zip(x.chunks, col + (0,))), x.dtype)
+    deps = [g, q, k, v, o, s] + ([] if mask is None else [mask.arr])
     dq = _array(layer, name + "-dq", q.chunks, lay.dtype, deps)
     dk = _array(layer, name + "-dk", k.chunks, lay.dtype, deps)
     dv = _array(layer, name + "-dv", v.chunks, lay.dtype, deps)
@@ -441,10 +483,21 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
     if sinks is None:
         return dq, dk, dv
     Hq = q.shape[-3]
-    layer[(name + "-dsinks", 0)] = (_sum_dsinks, Hq, np.asarray(sinks).dtype,
-                                    [span for span, _ in ds_keys], [t for _, t in ds_keys])
-    dsinks = _array(layer, name + "-dsinks", ((Hq,),), np.asarray(sinks).dtype, deps)
+    sdt = np.asarray(sinks).dtype
+    layer[(name + "-dsinks", 0)] = (_sum_dsinks, Hq, sdt, [span for span, _ in ds_parts],
+                                    [t for _, t in ds_parts])
+    dsinks = _array(layer, name + "-dsinks", ((Hq,),), sdt, deps)
     return dq, dk, dv, dsinks
+
+
+def _reduce(layer, name, index, parts, shape, dtype):
+    """Block `index` of the gradient `name`: the sum of `parts` (a tree of adds) cast to the
+    input dtype, or zeros when no tile reaches it."""
+    key = (name,) + index + (0,)
+    if not parts:
+        layer[key] = (_zeros, shape, dtype)
+        return
+    layer[key] = (_cast, _tree(layer, name + "-sum", parts, _add, index), dtype)
 
 
 def _array(layer, name, chunks, dtype, deps):

@@ -3,6 +3,7 @@ chunking and option equals the single-process result, forward and backward; a wo
 mid-computation is survived."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -55,6 +56,12 @@ OPTIONS = {
     "bool mask": {"attn_mask": "bool"},
     "float mask": {"attn_mask": "float", "is_causal": True},
     "sinks + causal": {"sinks": "h", "is_causal": True},
+    "dropout + causal": {"dropout_p": 0.3, "rng": 17, "is_causal": True},
+    "dropout + window bottom-right + alibi": {"dropout_p": 0.2, "rng": 5, "window": (20, 3),
+                                              "causal_alignment": "bottom_right",
+                                              "alibi_slopes": "h"},
+    "dask bool mask + dropout": {"attn_mask": "dask bool", "dropout_p": 0.1, "rng": 3},
+    "dask float mask + negative scale": {"attn_mask": "dask float", "scale": -0.5},
 }
 
 
@@ -77,7 +84,17 @@ def _options(rng, name, dtype=np.float64):
         kw["attn_mask"] = rng.random((B, 1, L, S)) > 0.3
     elif kw.get("attn_mask") == "float":
         kw["attn_mask"] = rng.standard_normal((1, HQ, L, S)).astype(dtype)
+    elif kw.get("attn_mask") == "dask bool":       # chunked unlike every tiling below
+        kw["attn_mask"] = da.from_array(rng.random((B, HQ, L, S)) > 0.3, chunks=(1, 3, 64, 90))
+    elif kw.get("attn_mask") == "dask float":
+        kw["attn_mask"] = da.from_array(rng.standard_normal((L, S)).astype(dtype),
+                                        chunks=(70, 100))
     return kw
+
+
+def _numpy_options(kw):
+    """The single-process call's options: a dask mask computed."""
+    return {a: (b.compute() if isinstance(b, da.Array) else b) for a, b in kw.items()}
 
 
 def _close(got, want, what):
@@ -97,14 +114,15 @@ def test_forward_and_backward_equal_the_single_process_result(client, chunking, 
     qc, kc = CHUNKINGS[chunking]
     dq_, dk_, dv_ = (da.from_array(q, chunks=qc), da.from_array(k, chunks=kc),
                      da.from_array(v, chunks=kc[:3] + (EV,)))
-    want, want_lse = fa.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
+    kw_np = _numpy_options(kw)
+    want, want_lse = fa.scaled_dot_product_attention(q, k, v, return_lse=True, **kw_np)
     out, lse = fad.scaled_dot_product_attention(dq_, dk_, dv_, return_lse=True, **kw)
     assert out.chunks[:3] == dq_.chunks[:3]
     out, lse = client.compute([out, lse], sync=True)
     _close(out, want, "out")
     _close(lse, want_lse, "lse")
     g = rng.standard_normal(want.shape)
-    ref = fa.scaled_dot_product_attention_backward(g, q, k, v, want, want_lse, **kw)
+    ref = fa.scaled_dot_product_attention_backward(g, q, k, v, want, want_lse, **kw_np)
     grads = fad.scaled_dot_product_attention_backward(g, dq_, dk_, dv_, out, lse, **kw)
     assert grads[1].chunks == dk_.chunks
     assert len(grads) == len(ref) == (4 if "sinks" in kw else 3)
@@ -139,6 +157,42 @@ def test_causal_graph_skips_tiles_above_the_diagonal():
     assert len(tiles) == 10                        # 4 + 3 + 2 + 1 of the 16 tiles
 
 
+def test_backward_splits_the_keys():
+    """Each backward task reads one key chunk (no task needs all keys of a head), and the
+    tiles the causal band leaves empty are not in the graph."""
+    q = da.zeros((1, 1, 400, 8), chunks=(1, 1, 100, 8))
+    k = da.zeros((1, 1, 400, 8), chunks=(1, 1, 100, 8))
+    out, lse = fad.scaled_dot_product_attention(q, k, k, is_causal=True, return_lse=True)
+    grads = fad.scaled_dot_product_attention_backward(q, q, k, k, out, lse, is_causal=True)
+    graph = dict(grads[1].__dask_graph__())
+    tiles = [task for key, task in graph.items() if isinstance(key, tuple)
+             and str(key[0]).endswith("-tile") and "bwd" in str(key[0])]
+    assert len(tiles) == 10                        # 4 + 3 + 2 + 1 of the 16 tiles
+    k_blocks = {task[3] for task in tiles}         # (_tile_backward, g, q, k block, ...)
+    assert len(k_blocks) == 4 and all(b[0] == k.name for b in k_blocks)
+    assert grads[1].chunks == k.chunks
+
+
+def test_dropout_with_two_batch_dims_keeps_the_single_process_weights(client):
+    rng = np.random.default_rng(21)
+    q = rng.standard_normal((2, 3, 2, 40, 8))
+    k = rng.standard_normal((2, 3, 2, 60, 8))
+    kw = dict(dropout_p=0.4, rng=99, is_causal=True, causal_alignment="bottom_right")
+    want, want_lse = fa.scaled_dot_product_attention(q, k, k, return_lse=True, **kw)
+    dq_ = da.from_array(q, chunks=(1, 2, 1, 15, 8))
+    dk_ = da.from_array(k, chunks=(1, 2, 1, 25, 8))
+    out, lse = client.compute(list(fad.scaled_dot_product_attention(
+        dq_, dk_, dk_, return_lse=True, **kw)), sync=True)
+    _close(out, want, "out")
+    _close(lse, want_lse, "lse")
+    g = rng.standard_normal(want.shape)
+    ref = fa.scaled_dot_product_attention_backward(g, q, k, k, want, want_lse, **kw)
+    got = client.compute(list(fad.scaled_dot_product_attention_backward(
+        g, dq_, dk_, dk_, out, lse, **kw)), sync=True)
+    for name, a, r in zip(("dq", "dk", "dv"), got, ref):
+        _close(a, r, name)
+
+
 def test_worker_killed_mid_computation_is_survived(client):
     # made on the workers, so that the graph does not carry the arrays
     gen = da.random.default_rng(11)
@@ -159,12 +213,16 @@ def test_worker_killed_mid_computation_is_survived(client):
     assert victim not in client.run(os.getpid).values()
 
 
-def test_unsupported_options_say_so():
+def test_bad_options_say_so():
     q = da.zeros((1, 1, 8, 4), chunks=(1, 1, 4, 4))
     with pytest.raises(ValueError, match="dropout_p"):
-        fad.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
-    with pytest.raises(TypeError, match="attn_mask as a dask array"):
-        fad.scaled_dot_product_attention(q, q, q, attn_mask=da.ones((8, 8), dtype=bool))
+        fad.scaled_dot_product_attention(q, q, q, dropout_p=1.5)
+    with pytest.raises(ValueError, match="rng"):
+        fad.scaled_dot_product_attention_backward(q, q, q, q, q, q[..., 0], dropout_p=0.1)
+    with pytest.raises(TypeError, match="attn_mask.*int64"):
+        fad.scaled_dot_product_attention(q, q, q, attn_mask=da.ones((8, 8), dtype=np.int64))
+    with pytest.raises(ValueError, match="attn_mask of shape \\(8, 7\\)"):
+        fad.scaled_dot_product_attention(q, q, q, attn_mask=da.ones((8, 7), dtype=bool))
     with pytest.raises(ValueError, match="window"):
         fad.scaled_dot_product_attention(q, q, q, window=(1,))
     with pytest.raises(ValueError, match="heads"):
@@ -204,3 +262,24 @@ def test_long_context_example_runs_small():
                          capture_output=True, text=True, cwd=package_root(), timeout=300, env=env)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "max error of rows" in res.stdout and "peak memory" in res.stdout
+
+
+def test_dask_bench_preset_plumbing(tmp_path, monkeypatch):
+    """python -m fastattn.bench --preset dask, shrunken: every run timed forward and backward,
+    the three ratios, and its files written."""
+    from fastattn.bench import __main__ as bench_cli
+    from fastattn.bench import dask_scaling
+
+    res = dask_scaling.run(1, tokens=256, heads=1, head_dim=8, chunk=128)
+    assert set(res["median_seconds"]) == {f"{r} / {op}" for r in dask_scaling.RUNS
+                                          for op in ("forward", "backward")}
+    assert all(t > 0 for t in res["median_seconds"].values())
+    assert "numpy" in res["partial_keys_backward_backends"]
+    for op in ("forward", "backward"):
+        assert len(res["ratios"][op]) == 3 and all(r > 0 for r in res["ratios"][op].values())
+    text = dask_scaling.markdown(res)
+    assert "| 2 workers |" in text and "| speedup 2 workers over 1 |" in text
+    monkeypatch.setattr(dask_scaling, "run", lambda rounds: res)      # the CLI's route and files
+    assert bench_cli.main(["--preset", "dask", "--rounds", "1", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "dask.md").read_text() == text
+    assert json.loads((tmp_path / "dask.json").read_text())["ratios"] == res["ratios"]

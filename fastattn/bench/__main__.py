@@ -1,4 +1,4 @@
-"""python -m fastattn.bench [--preset quick|full|targets|smoke|latency] [options]
+"""python -m fastattn.bench [--preset quick|full|targets|smoke|latency|dask] [options]
 
 fastattn's backends against torch's CPU SDPA, jax.nn.dot_product_attention and the seed-style
 NumPy code, each measurement in its own process with the same thread count, interleaved, with
@@ -11,6 +11,9 @@ bench/results via `python -m fastattn.bench.report --readme README.md`.
 --preset latency is different: microsecond calls (a decode step) and a decode loop, fastattn
 and torch interleaved in one process (fastattn/bench/latency.py); it writes latency.json and
 latency.md to --out (default bench/out) and with --readme its table into README.md.
+
+--preset dask: one causal problem on 1 vs 2 dask worker processes vs fastattn called directly
+(fastattn/bench/dask_scaling.py; needs the dask extra); writes dask.json and dask.md to --out.
 """
 from __future__ import annotations
 
@@ -34,11 +37,12 @@ def parse_args(argv):
 
     ap = argparse.ArgumentParser(prog="python -m fastattn.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=list(PRESETS) + ["latency"], default="quick",
+    ap.add_argument("--preset", choices=list(PRESETS) + ["latency", "dask"], default="quick",
                     help="which cases and how many rounds (default: quick): " + "; ".join(
                         f"{p.name}: {p.note}" for p in PRESETS.values())
                     + "; latency: decode-step calls and a decode loop against torch, "
-                    "interleaved in one process (a few minutes)")
+                    "interleaved in one process (a few minutes); dask: 1 vs 2 dask workers vs "
+                    "direct calls, forward and backward (a few minutes, needs the dask extra)")
     ap.add_argument("--sweeps", nargs="+", metavar="TEXT",
                     help="only sweeps whose name contains one of these, e.g. decode 'fwd d=64'")
     ap.add_argument("--impls", nargs="+", help="implementations to run (default: every one "
@@ -68,6 +72,10 @@ def main(argv=None) -> int:
         from . import latency
 
         return latency.main(args.threads, args.rounds, args.out or "bench/out", args.readme)
+    if args.preset == "dask":
+        from . import dask_scaling
+
+        return dask_scaling.main(args.rounds, args.out or "bench/out")
     preset = PRESETS[args.preset]
     case_list = [c for c in preset.cases
                  if not args.sweeps or any(s in c.sweep for s in args.sweeps)]
