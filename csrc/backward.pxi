@@ -28,6 +28,7 @@
 
 from libc.string cimport memcpy
 from libc.stdlib cimport calloc
+from libc.math cimport ldexp
 
 # Block sizes: AttnProblem.tune (problem.pxi; defaults 96 query rows per block, 96 keys per
 # interior sub-block, 24 per band-edge sub-block).
@@ -206,17 +207,14 @@ cdef inline bint next_sub(AttnProblem *p, BwdArgs *a, ptrdiff_t pw, ptrdiff_t i0
     return True
 
 
-cdef void bwd_sweep1(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy,
-                     SubBlock *sb, double *acc) noexcept nogil:
-    """S and dP of a sub-block into the tiles; the score pipeline; P; (Z, D) += sums."""
+cdef void bwd_scores(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy,
+                     SubBlock *sb) noexcept nogil:
+    """S of a sub-block into its tile, through the forward's score pipeline (and the softcap
+    derivative into G)."""
     cdef ptrdiff_t lo = sb.lo, Wt = sb.Wt, m = sb.jb - sb.ja, ldt = FA_BWD_LDS
     cdef floating *S = <floating *>w.S + sb.r0 * ldt + lo
-    cdef floating *dP = <floating *>w.dP + sb.r0 * ldt + lo
-    cdef int nv = k_nv(dummy)
     k_qkt(<const floating *>w.Kt + sb.ja, a.ldkt, m, p.E, <const floating *>w.Qt + lo * p.E,
-          Wt, nv, S, p.scale)
-    k_qkt(<const floating *>w.Vt + sb.ja, a.ldkt, m, p.Ev, <const floating *>w.dOt + lo * p.Ev,
-          Wt, nv, dP, 1.0)
+          Wt, k_nv(dummy), S, p.scale)
     # the forward's score pipeline, in its order (softcap, ALiBi, float mask, bool mask, band)
     if p.softcap > 0:
         k_softcap_grad(S, <floating *>w.G + sb.r0 * ldt + lo, ldt, m, Wt, p.softcap)
@@ -229,6 +227,17 @@ cdef void bwd_sweep1(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy,
         k_maskb(S, ldt, m, Wt, sb.ja, p.mask_b, w.moff + lo, p.msj, p.msi == 0)
     if sb.win_partial:
         k_window(S, ldt, m, Wt, sb.ja, w.pos + lo, p.wl, p.wr)
+
+
+cdef void bwd_sweep1(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy,
+                     SubBlock *sb, double *acc) noexcept nogil:
+    """S and dP of a sub-block into the tiles; the score pipeline; P; (Z, D) += sums."""
+    cdef ptrdiff_t lo = sb.lo, Wt = sb.Wt, m = sb.jb - sb.ja, ldt = FA_BWD_LDS
+    cdef floating *S = <floating *>w.S + sb.r0 * ldt + lo
+    cdef floating *dP = <floating *>w.dP + sb.r0 * ldt + lo
+    bwd_scores(p, a, w, dummy, sb)
+    k_qkt(<const floating *>w.Vt + sb.ja, a.ldkt, m, p.Ev, <const floating *>w.dOt + lo * p.Ev,
+          Wt, k_nv(dummy), dP, 1.0)
     if p.has_dropout:
         k_dropout_scale(dP, ldt, m, Wt, sb.ja + p.drop_col0, w.rk + lo, p.thresh, p.keep_scale)
     k_bwd_p(S, dP, m, Wt, <const floating *>w.lse + lo, acc + lo)
@@ -261,17 +270,79 @@ cdef void bwd_sink_rows(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy,
                         ptrdiff_t h, ptrdiff_t row0, ptrdiff_t rows) noexcept nogil:
     """Sinks: the weights of a row sum to Z + P_sink = 1 (P_sink = exp(sink - lse)), not Z,
     so normalize by Z + P_sink; and the row's share of dsinks[h], -P_sink * D, goes to
-    a.rowsink (summed in a fixed order after the parallel loop)."""
+    a.rowsink (summed in a fixed order after the parallel loop).  P and P_sink share the
+    shift w.lse, so Z + P_sink normalizes both whatever the shift."""
     cdef double sink = (<const floating *>p.sinks)[h], z, ps, lv
-    cdef const floating *flse = <const floating *>a.flse
     cdef ptrdiff_t r
     for r in range(rows):
-        lv = flse[row0 + r]
-        ps = exp(sink - lv) if lv != -INFINITY else 0
+        lv = (<const floating *>w.lse)[r]        # the forward's lse, or bwd_rescue's shift
+        ps = exp(sink - lv) if lv != INFINITY else 0
         z = w.acc[r] + ps
         (<floating *>w.invZ)[r] = <floating>(1.0 / z) if z > 0 else 0
         w.D[r] = w.acc[FA_BWD_LDS + r] / z if z > 0 else 0
         a.rowsink[row0 + r] = -(ps / z) * w.D[r] if z > 0 else 0
+
+
+# A row's P = exp(S - lse) assumes that the backward's scores and the forward's lse agree to
+# well within 1: normalizing by Z = sum P absorbs any per-row error short of exp's range.  Where
+# |S| is so large that one rounding of lse is beyond that range (float32 scores ~1e20, where
+# the decode path's dot products and these tiles round differently by ulp(1e20) ~ 1e13), P
+# overflowed (Z = inf, dq NaN) or vanished (Z = 0, dv 0).  Such rows are shifted by their own
+# largest score instead (P_max = 1), which every other row never sees: same bits there.
+cdef enum:
+    BWD_Z_LOG2_RANGE = 40            # Z + P_sink within 2**+-40 of 1: the forward's lse holds
+
+
+cdef inline bint bwd_row_off(AttnProblem *p, BwdWork *w, floating *dummy, double sink,
+                             ptrdiff_t r) noexcept nogil:
+    """Row r's Z (+ P_sink) is far from 1 though its lse is finite."""
+    cdef double lv = (<const floating *>w.lse)[r], z = w.acc[r]
+    if not (-INFINITY < lv < INFINITY):
+        return False
+    if p.has_sinks:
+        z += exp(sink - lv)
+    return not (ldexp(1.0, -BWD_Z_LOG2_RANGE) <= z <= ldexp(1.0, BWD_Z_LOG2_RANGE))
+
+
+cdef void bwd_rescue(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, ptrdiff_t h,
+                     ptrdiff_t i0, ptrdiff_t rows, int64_t jlo, int64_t jhi) noexcept nogil:
+    """After sweep 1: rows whose Z is off get their largest score (or their sink, if larger)
+    as the shift, and sweep 1 runs again (the other rows' tiles and sums come out the same)."""
+    cdef double sink = (<const floating *>p.sinks)[h] if p.has_sinks else 0
+    cdef ptrdiff_t r, pw = k_nr(dummy), ldt = FA_BWD_LDS
+    cdef bint any_off = False
+    for r in range(rows):
+        if bwd_row_off(p, w, dummy, sink, r):
+            any_off = True
+            break
+    if not any_off:
+        return
+    cdef floating *mx = <floating *>w.invZ         # scratch here: invZ is set after this
+    cdef floating *lse = <floating *>w.lse
+    cdef double c
+    for r in range(a.W + 16):
+        mx[r] = -INFINITY
+    cdef int64_t ja = jlo
+    cdef SubBlock sb
+    while ja < jhi:
+        if next_sub(p, a, pw, i0, rows, jlo, jhi, ja, &sb):
+            bwd_scores(p, a, w, dummy, &sb)
+            k_colmax(<const floating *>w.S + sb.r0 * ldt + sb.lo, ldt, sb.jb - sb.ja, sb.Wt,
+                     mx + sb.lo)
+        ja = sb.jb
+    for r in range(rows):
+        if bwd_row_off(p, w, dummy, sink, r):
+            c = mx[r]
+            if p.has_sinks and sink > c:
+                c = sink
+            if -INFINITY < c < INFINITY:
+                lse[r] = <floating>c
+    memset(w.acc, 0, 2 * FA_BWD_LDS * sizeof(double))
+    ja = jlo
+    while ja < jhi:
+        if next_sub(p, a, pw, i0, rows, jlo, jhi, ja, &sb):
+            bwd_sweep1(p, a, w, dummy, &sb, w.acc)
+        ja = sb.jb
 
 
 cdef void bwd_block(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, ptrdiff_t b,
@@ -326,6 +397,7 @@ cdef void bwd_block(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, ptr
         if next_sub(p, a, pw, i0, rows, jlo, jhi, ja, &sb):
             bwd_sweep1(p, a, w, dummy, &sb, w.acc)
         ja = sb.jb
+    bwd_rescue(p, a, w, dummy, h, i0, rows, jlo, jhi)
     for r in range(W):
         z = acc[r]
         invZ[r] = <floating>(1.0 / z) if z > 0 else 0

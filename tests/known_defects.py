@@ -8,9 +8,6 @@ from __future__ import annotations
 import pytest
 
 KNOWN_DEFECTS = {
-    ("cython", "nan_in_attended_input"):
-        "issue 14 item 1: cython gives the fully-masked answer (0, lse -inf) for a row whose "
-        "attended q/k holds NaN/Inf, instead of NaN",
     ("numba", "large_scores"):
         "issue 14 item 2: numba's exp2 with the scale folded into an FMA gives NaN or 0 rows for "
         "large finite scores (|scale * q.k| >~ 1e7 in float32, 1e10 in float64, or scale * log2(e) "
@@ -38,13 +35,6 @@ KNOWN_DEFECTS = {
         "found by the fuzzer: cython's float32 backward with softcap and large scores is just "
         "outside the 2x rule (dk error 4.1e-4 vs bound 1.9e-4: q (1,1,5,1), k (1,1,40,1), "
         "scale=1000, softcap=0.5, causal bottom_right, ALiBi, dropout 0.2)",
-    ("cython", "backward_masked_nan"):
-        "found by the fuzzer: cython's backward lets a NaN/Inf in a value that no query attends "
-        "into dq (NaN; the reference and numpy give 0): q (2,3,1,8), k/v (2,1,1,8), GQA, "
-        "bool mask (2,3,1,1) masking the only key of batch 1, scale=-0.3, float32",
-    ("cython", "backward_large_scores"):
-        "found by the fuzzer: cython's backward gives NaN dq for scores ~1e20 (float32 q, k ~ 1e10, "
-        "E = 8, no options; numpy and the reference give finite gradients)",
     ("numba", "dropout_backward"):
         "numba's backward with dropout: dq of ~1e13 where the reference gives 0 (q (2,2,1,1) ~1e-10, "
         "k (2,2,70,1), is_causal, window=(1, None), dropout_p=0.2, float32; batch 1's rows attend "

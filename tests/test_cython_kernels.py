@@ -542,3 +542,50 @@ def test_sinks_reach_the_backend(K):
     p, _, _ = sink_problem(np.random.default_rng(0), "plain", np.float32)
     assert resolve(p, "forward", "cython").name == "cython"
     assert resolve(p, "backward", "cython").name == "cython"
+
+
+# ----------------------------------------------------------------------------------------------
+# scores so large that one rounding of lse is beyond exp's range (issue 14, found by the fuzzer)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("lse_from", ["forward", "decode", "one_ulp_up", "one_ulp_down"])
+def test_backward_huge_scores(K, level, dtype, lse_from):
+    """Scores ~1e20 (q, k ~ 1e10): ulp(lse) is ~1e13 in float32, ~1e4 in float64, so an lse
+    that differs from the backward's row max by one rounding (the decode kernel's dot products
+    round otherwise than the tiles; a nudged lse stands for any other source) made
+    P = exp(S - lse) overflow (dq NaN) or vanish (dv 0).  The rows are one-hot: dq = dk = 0
+    and dv gathers dout at each row's key, as in the float64 reference."""
+    rng = np.random.default_rng(3)
+    q, k, v = randn(rng, (1, 2, 4, 8), dtype, 1e10), randn(rng, (1, 2, 6, 8), dtype, 1e10), randn(rng, (1, 2, 6, 8), dtype)
+    dout = randn(rng, (1, 2, 4, 8), dtype)
+    p = make_problem(q, k, v)
+    out, lse = run_kernel(K, "decode" if lse_from == "decode" else "forward", p, 1)
+    if lse_from.startswith("one_ulp"):
+        lse = np.nextafter(lse, np.inf if lse_from.endswith("up") else -np.inf).astype(lse.dtype)
+    low = np.float64 if dtype == np.float64 else np.float32
+    ref, naive = reference.backward(p, dout), reference.backward(p, dout, dtype=low)
+    for threads in (1, 2):
+        got = run_backward(K, p, threads, dout, out, lse)
+        for name, a, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+            assert_close_to_reference(a, r, n, low, f"backward {name} ({lse_from})")
+        assert np.all(got[0] == 0) and np.all(got[1] == 0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_backward_masked_value_of_a_keyless_batch(K, level, bad):
+    """The fuzzer's backward_masked_nan reproducer (tests/known_defects.py had it): a NaN/Inf
+    value at the only key of batch 1, which its mask takes from every query, stays out of the
+    gradients (dq of batch 1 is 0, dk/dv finite).  It does not fail on the tree this test was
+    added to (the NaN rule of 0d0ad2a had fixed it); kept as the entry's regression test."""
+    rng = np.random.default_rng(8)
+    q, k, v = randn(rng, (2, 3, 1, 8)), randn(rng, (2, 1, 1, 8)), randn(rng, (2, 1, 1, 8))
+    v[1, 0, 0, 3] = bad
+    mask = np.ones((2, 3, 1, 1), bool)
+    mask[1] = False
+    dout = randn(rng, (2, 3, 1, 8))
+    kw = dict(attn_mask=mask, scale=-0.3, enable_gqa=True, backend="cython")
+    out, lse = fa.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
+    dq, dk, dv = fa.scaled_dot_product_attention_backward(dout, q, k, v, out, lse, **kw)
+    assert np.all(dq[1] == 0) and np.isfinite(dq).all()
+    assert np.isfinite(dk).all() and np.isfinite(dv).all()
+    assert np.all(dv[1] == 0) and np.all(dk[1] == 0)
