@@ -345,6 +345,26 @@ cdef void bwd_rescue(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, pt
         ja = sb.jb
 
 
+cdef void bwd_delta_rows(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy,
+                         ptrdiff_t h, ptrdiff_t row0, ptrdiff_t rows) noexcept nogil:
+    """The partial-keys form (has_delta): k/v are a part of the keys and lse, delta belong to
+    the whole problem, so P = exp(S - lse) stays as it is (invZ = 1: these weights sum to the
+    part's share of the row, not to 1) and D = delta; sweep 1 is not needed.  With sinks, the
+    row's share of dsinks is -P_sink * delta (lse already includes the sink)."""
+    cdef const floating *delta = <const floating *>p.delta
+    cdef floating *invZ = <floating *>w.invZ
+    cdef double sink = (<const floating *>p.sinks)[h] if p.has_sinks else 0, lv, ps
+    cdef ptrdiff_t r
+    for r in range(a.W + 16):
+        invZ[r] = 1
+        w.D[r] = delta[row0 + r] if r < rows else 0
+    if p.has_sinks:
+        for r in range(rows):
+            lv = (<const floating *>w.lse)[r]
+            ps = exp(sink - lv) if lv != INFINITY else 0
+            a.rowsink[row0 + r] = -ps * w.D[r] if lv != INFINITY else 0
+
+
 cdef void bwd_block(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, ptrdiff_t b,
                     ptrdiff_t h, ptrdiff_t hk, ptrdiff_t i0, floating *dk_t,
                     floating *dv_t) noexcept nogil:
@@ -393,21 +413,25 @@ cdef void bwd_block(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy, ptr
         jhi = p.S
     cdef int64_t ja = jlo
     cdef SubBlock sb
-    while ja < jhi:
-        if next_sub(p, a, pw, i0, rows, jlo, jhi, ja, &sb):
-            bwd_sweep1(p, a, w, dummy, &sb, w.acc)
-        ja = sb.jb
-    bwd_rescue(p, a, w, dummy, h, i0, rows, jlo, jhi)
-    for r in range(W):
-        z = acc[r]
-        invZ[r] = <floating>(1.0 / z) if z > 0 else 0
-        D[r] = acc[FA_BWD_LDS + r] / z if z > 0 else 0
-    if p.has_sinks:
-        bwd_sink_rows(p, a, w, dummy, h, row0, rows)
+    if p.has_delta:
+        bwd_delta_rows(p, a, w, dummy, h, row0, rows)
+    else:
+        while ja < jhi:
+            if next_sub(p, a, pw, i0, rows, jlo, jhi, ja, &sb):
+                bwd_sweep1(p, a, w, dummy, &sb, w.acc)
+            ja = sb.jb
+        bwd_rescue(p, a, w, dummy, h, i0, rows, jlo, jhi)
+        for r in range(W):
+            z = acc[r]
+            invZ[r] = <floating>(1.0 / z) if z > 0 else 0
+            D[r] = acc[FA_BWD_LDS + r] / z if z > 0 else 0
+        if p.has_sinks:
+            bwd_sink_rows(p, a, w, dummy, h, row0, rows)
     ja = jlo
     while ja < jhi:
         if next_sub(p, a, pw, i0, rows, jlo, jhi, ja, &sb):
             if not a.keep:       # the same code again: the same bits as in sweep 1
+                                 # (has_delta: the only time)
                 bwd_sweep1(p, a, w, dummy, &sb, w.acc2)
             bwd_sweep2(p, a, w, dummy, b, hk, row0, &sb, dk_t, dv_t)
         ja = sb.jb
@@ -510,7 +534,8 @@ cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept nogi
     # band tiles: the longest band of a block, plus a strip of slack (fa_qkt writes whole
     # strips of MR rows)
     a.trows = round_up(min(<int64_t>p.S, a.W - 1 + p.wl + p.wr + 1), mr) + mr
-    a.keep = <size_t>a.trows * FA_BWD_LDS * sizeof(floating) * (3 if p.softcap > 0 else 2) <= <size_t>p.tune.bwd_keep_bytes
+    # has_delta has no sweep 1: the tiles are made where sweep 2 uses them
+    a.keep = not p.has_delta and <size_t>a.trows * FA_BWD_LDS * sizeof(floating) * (3 if p.softcap > 0 else 2) <= <size_t>p.tune.bwd_keep_bytes
     if not a.keep:
         a.trows = round_up(max(a.Bk, a.DB), mr) + mr
     # Kᵀ rows: >= S + 16 (fa_qkt reads up to 11 keys past a block), an odd number of cache

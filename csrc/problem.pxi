@@ -34,12 +34,14 @@ ctypedef struct AttnProblem:
     const char *mask_f
     const char *alibi
     const char *sinks                # (Hq,) T when has_sinks
+    const char *delta                # (B, Hq, L) T when has_delta (backward: partial keys)
     ptrdiff_t B, Hq, Hkv, G, L, S, E, Ev
     int mask_kind
     int64_t msb, msh, msi, msj       # element strides of the active mask (0 = broadcast)
     int has_alibi
     int64_t alibi_bs                 # 0 when alibi is (1, Hq)
     int has_sinks
+    int has_delta
     double scale                     # applied to each finished dot product (fa_qk epilogue)
     double softcap
     int64_t q_offset, wl, wr
@@ -156,6 +158,7 @@ cdef int fill_problem(AttnProblem *p, object a, floating *dummy, Py_ssize_t *out
     cdef const floating[:, :, :, :] mf = a.mask_float
     cdef const floating[:, ::1] al = a.alibi
     cdef const floating[::1] sk = a.sinks
+    cdef const floating[:, :, ::1] dl = a.delta
     cdef tuple qs = shape4(q.shape), ks = shape4(k.shape), vs = shape4(v.shape)
     cdef ptrdiff_t B = qs[0], Hq = qs[1], L = qs[2], E = qs[3]
     cdef ptrdiff_t Hkv = ks[1], S = ks[2], Ev = vs[3]
@@ -192,6 +195,10 @@ cdef int fill_problem(AttnProblem *p, object a, floating *dummy, Py_ssize_t *out
     cdef bint has_sinks = a.has_sinks
     if has_sinks and sk.shape[0] != Hq:
         raise ValueError(f"attention kernel: sinks shape ({sk.shape[0]},), expected ({Hq},)")
+    cdef bint has_delta = a.has_delta
+    if has_delta and (dl.shape[0], dl.shape[1], dl.shape[2]) != (B, Hq, L):
+        raise ValueError(f"attention kernel: delta shape {(dl.shape[0], dl.shape[1], dl.shape[2])}"
+                         f", expected {(B, Hq, L)}")
     cdef double dropout_p = a.dropout_p
     if not (0.0 <= dropout_p < 1.0):
         raise ValueError(f"attention kernel: dropout_p={dropout_p} outside [0, 1)")
@@ -211,6 +218,7 @@ cdef int fill_problem(AttnProblem *p, object a, floating *dummy, Py_ssize_t *out
     p.has_alibi = has_alibi
     p.alibi_bs = Hq if has_alibi and al.shape[0] != 1 else 0
     p.has_sinks = has_sinks
+    p.has_delta = has_delta
     p.scale = a.scale
     p.softcap = a.softcap if a.softcap > 0 else 0.0
     p.q_offset = a.q_offset
@@ -233,5 +241,6 @@ cdef int fill_problem(AttnProblem *p, object a, floating *dummy, Py_ssize_t *out
     p.mask_f = <const char *>&mf[0, 0, 0, 0] if mv_size(mf.shape, 4) else NULL
     p.alibi = <const char *>&al[0, 0] if mv_size(al.shape, 2) else NULL
     p.sinks = <const char *>&sk[0] if mv_size(sk.shape, 1) else NULL
+    p.delta = <const char *>&dl[0, 0, 0] if mv_size(dl.shape, 3) else NULL
     p.out = p.lse = NULL
     return 0

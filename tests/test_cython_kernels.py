@@ -589,3 +589,131 @@ def test_backward_masked_value_of_a_keyless_batch(K, level, bad):
     assert np.all(dq[1] == 0) and np.isfinite(dq).all()
     assert np.isfinite(dk).all() and np.isfinite(dv).all()
     assert np.all(dv[1] == 0) and np.all(dk[1] == 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# the partial-keys backward (issue 17: has_delta; k/v a part of the keys, lse and D given)
+# ----------------------------------------------------------------------------------------------
+def key_part(p, c0, c1):
+    """The Problem of keys [c0, c1) of p, positions kept global (as fastattn.dask's tiles): the
+    band's q_offset moves by -c0, and where that leaves the range in which the part's own
+    "unbounded" L + S + 1 is unbounded, to the nearest end of it with the bounded sides moved
+    along (the same constraints); the dropout hash's key column starts at c0; a mask is
+    sliced."""
+    import dataclasses
+
+    from fastattn._inputs import Band
+    L, Sc, b = p.q.shape[2], c1 - c0, p.band
+    unb = L + Sc + 1
+    q_off = b.q_offset - c0
+    lo = None if b.left >= b.unbounded else q_off - b.left      # row i's keys: [i + lo, i + hi]
+    hi = None if b.right >= b.unbounded else q_off + b.right
+    lo = None if lo is not None and lo <= -(L - 1) else lo
+    hi = None if hi is not None and hi >= Sc - 1 else hi
+    q_new = min(max(q_off, -(L - 1)), Sc - 1)
+    assert q_new == q_off or p.alibi is None                    # ALiBi reads q_offset
+    band = Band(q_new, unb if lo is None else q_new - lo, unb if hi is None else hi - q_new, unb)
+    mask = None if p.mask is None or p.mask.shape[3] == 1 else np.ascontiguousarray(p.mask[..., c0:c1])
+    mask = p.mask if mask is None else mask
+    part = dataclasses.replace(p, k=np.ascontiguousarray(p.k[:, :, c0:c1]),
+                               v=np.ascontiguousarray(p.v[:, :, c0:c1]), band=band, mask=mask)
+    part.dropout_origin = (0, p.q.shape[1], 0, c0)
+    return part
+
+
+def partial_keys_backward(K, p, parts, threads, dout, out, lse):
+    """dq summed over the key parts, dk/dv concatenated, and each part's dsinks."""
+    delta = np.einsum("bhld,bhld->bhl", dout.astype(np.float64), out.astype(np.float64))
+    dq = np.zeros(p.q.shape, np.float64)
+    dks, dvs, dsinks = [], [], []
+    for c0, c1 in zip(parts[:-1], parts[1:]):
+        part = key_part(p, c0, c1)
+        part.delta = delta.astype(p.dtype)
+        g = (np.empty_like(part.q), np.empty_like(part.k), np.empty_like(part.v),
+             np.full(p.q.shape[1] if p.sinks is not None else 1, np.nan, p.dtype))
+        K.backward(kernel_args(part, threads), dout, out, lse, *g)
+        dq += g[0]
+        dks.append(g[1])
+        dvs.append(g[2])
+        dsinks.append(g[3])
+    return dq.astype(p.dtype), np.concatenate(dks, 2), np.concatenate(dvs, 2), dsinks
+
+
+PART_OPTIONS = {
+    "plain": {},
+    "softcap_alibi": dict(softcap=3.0, alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4])),
+    "bool_mask_empty_rows": "mask",
+    "window": dict(window=(6, 9)),
+    "sinks": "sinks",
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("option", list(PART_OPTIONS))
+def test_partial_keys_backward(K, level, dtype, option):
+    """Keys split into 3 parts (one of a single key), each part's backward given the whole
+    forward's lse and delta = rowsum(dout * out): dq summed over the parts and dk/dv
+    concatenated equal the whole backward within the tolerance rule; with sinks, every part
+    returns the whole dsinks = -sum P_sink * delta."""
+    rng = np.random.default_rng(17)
+    B, Hq, Hkv, L, S = 2, 4, 2, 37, 53
+    q, k, v = randn(rng, (B, Hq, L, 24), dtype), randn(rng, (B, Hkv, S, 24), dtype), randn(rng, (B, Hkv, S, 16), dtype)
+    dout = randn(rng, (B, Hq, L, 16), dtype)
+    kw = PART_OPTIONS[option]
+    if kw == "mask":
+        keep = rng.random((B, 1, L, S)) < 0.6
+        keep[:, :, [0, 9]] = False                              # rows without keys
+        keep[:, :, 3, 21:] = False                              # a row without keys in two parts
+        kw = dict(attn_mask=keep)
+    p = make_problem(q, k, v, enable_gqa=True, **(kw if isinstance(kw, dict) else {}))
+    if kw == "sinks":
+        p.sinks = np.linspace(-3.0, 6.0, Hq).astype(p.dtype)
+    low = np.float64 if dtype == np.float64 else np.float32
+    ref, naive = reference.backward(p, dout), reference.backward(p, dout, dtype=low)
+    for threads in (1, 2):
+        out, lse = run_kernel(K, "forward", p, threads)
+        got = partial_keys_backward(K, p, (0, 20, 21, S), threads, dout, out, lse)
+        for name, a, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+            assert a.dtype == p.dtype
+            assert_close_to_reference(a, r, n, low, f"partial-keys {name}")
+        if p.sinks is not None:
+            for part_dsinks in got[3]:
+                assert_close_to_reference(part_dsinks, ref[3], naive[3], low, "partial-keys dsinks")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_partial_keys_backward_causal(K, level, dtype, alignment):
+    """The same with causal masking and dropout: each part's band has q_offset - c0 (global
+    positions, as fastattn.dask's tiles), the dropout hash starts at key column c0; parts
+    that some rows see nothing of, and rows that see nothing of a part."""
+    rng = np.random.default_rng(23)
+    B, Hq, Hkv, L, S = 1, 4, 1, 40, 61
+    q, k, v = randn(rng, (B, Hq, L, 32), dtype), randn(rng, (B, Hkv, S, 32), dtype), randn(rng, (B, Hkv, S, 8), dtype)
+    dout = randn(rng, (B, Hq, L, 8), dtype)
+    p = make_problem(q, k, v, None, 0.25, True, None, True, causal_alignment=alignment, rng=99)
+    low = np.float64 if dtype == np.float64 else np.float32
+    ref, naive = reference.backward(p, dout), reference.backward(p, dout, dtype=low)
+    for parts in ((0, 25, S), (0, 7, 30, S)):
+        out, lse = run_kernel(K, "forward", p, 2)
+        got = partial_keys_backward(K, p, parts, 2, dout, out, lse)
+        for name, a, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+            assert_close_to_reference(a, r, n, low, f"partial-keys causal {name} {parts}")
+
+
+def test_partial_keys_reach_the_backend(K):
+    """The cython backend serves the partial-keys form (it no longer refuses `delta`), and a
+    delta of the wrong shape is refused by name."""
+    from fastattn._backends import registry, resolve
+    rng = np.random.default_rng(0)
+    q, k, v = randn(rng, (1, 2, 5, 8)), randn(rng, (1, 2, 7, 8)), randn(rng, (1, 2, 7, 8))
+    p = make_problem(q, k, v)
+    p.delta = np.zeros((1, 2, 5), np.float32)
+    assert resolve(p, "backward", "cython").name == "cython"
+    dout = randn(rng, (1, 2, 5, 8))
+    out, lse = run_kernel(K, "forward", p, 1)
+    registry["cython"].backward(p, dout, out, lse)
+    p.delta = np.zeros((1, 2, 4), np.float32)
+    with pytest.raises(ValueError, match="delta shape"):
+        K.backward(kernel_args(p, 1), dout, out, lse, np.empty_like(q), np.empty_like(k),
+                   np.empty_like(v), no_sinks(p))

@@ -36,9 +36,6 @@ class CythonBackend(CompiledBackend):
     # Below ~1 MiB of K/V (GPT-2-small decode up to ~170 keys) one thread finishes before a
     # woken pool thread has started: measured in bench/results/latency.md (MHA decode rows).
     serial_decode_bytes = 1 << 20
-    # record fields whose kernel support is not built yet: auto routes such calls elsewhere
-    unsupported_options = {
-        "delta": "cython's backward does not take a given D (the partial-keys backward) yet"}
 
     def _load(self) -> None:
         self._k = k = _import_kernels()
