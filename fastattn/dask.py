@@ -313,6 +313,22 @@ def _check_options(lay, mask, opts, alibi, sinks, win, is_causal, alignment, fn)
                                       backend=opts["backend"], **kw)
 
 
+def _check_backend(lay, opts, op, keys_part=False):
+    """An explicitly named backend that cannot run the tiles' modes (the dropout hash's
+    offsets, the partial-keys backward) raises here, when the graph is built, naming why,
+    rather than in every task on the workers."""
+    if opts["backend"] is None:
+        return
+    stand = [np.zeros(x.shape[:-2] + (1, x.shape[-1]), compute_dtype(x.dtype))
+             for x in (lay.q, lay.k, lay.v)]
+    p = make_problem(*stand, None, opts["dropout_p"], False, None, opts["enable_gqa"], rng=0)
+    if opts["dropout_p"] > 0:
+        p.dropout_origin = (0, p.q.shape[1], 0, 1)
+    if keys_part:
+        p.delta = np.zeros(p.q.shape[:3], p.dtype)
+    _backends.resolve(p, op, opts["backend"])
+
+
 def _tiles(lay, band):
     """Every non-empty tile: (bidx, hb, li, si, tile) with tile = (band, r0, c0, origin); the
     tiles the band leaves without a key are not made."""
@@ -394,6 +410,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     lay = _Layout(query, key, value, enable_gqa, fn, flat_batch=opts["dropout_p"] > 0)
     mask = None if attn_mask is None else _Mask(attn_mask, lay, fn)
     _check_options(lay, mask, opts, alibi_slopes, sinks, win, is_causal, causal_alignment, fn)
+    _check_backend(lay, opts, "forward")
     band = _parts.global_band(lay.q.shape[-2], lay.k.shape[-2], bool(is_causal),
                               causal_alignment, win)
     out, lse = _graph_forward(lay, mask, alibi_slopes, sinks, opts, band)
@@ -438,6 +455,7 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
         g, q, k, v, o, s, None if mask is None else mask.arr, alibi_slopes, sinks, repr(opts),
         band)
     keys_part = len(k.chunks[nb + 1]) > 1
+    _check_backend(lay, opts, "backward", keys_part)
     layer = {}
     batch_shape = q.shape[:nb]
     dq_parts, dkv_parts = {}, {}

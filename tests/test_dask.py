@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -227,6 +228,28 @@ def test_bad_options_say_so():
         fad.scaled_dot_product_attention(q, q, q, window=(1,))
     with pytest.raises(ValueError, match="heads"):
         fad.scaled_dot_product_attention(q, da.zeros((1, 3, 8, 4)), da.zeros((1, 3, 8, 4)))
+
+
+def test_a_named_backend_that_cannot_run_the_tiles_says_why_at_graph_time():
+    """The partial-keys backward (key chunks) and the dropout offsets: a backend listing them
+    in unsupported_options raises when the graph is built, with its reason."""
+    from fastattn._backends import registry
+
+    q = da.zeros((1, 1, 8, 4), chunks=(1, 1, 4, 4))
+    for name, b in registry.items():
+        why = getattr(b, "unsupported_options", {})
+        if not b.available:
+            continue
+        calls = {"delta": lambda: fad.scaled_dot_product_attention_backward(
+                     q, q, q, q, q, q[..., 0], backend=name),
+                 "dropout_origin": lambda: fad.scaled_dot_product_attention(
+                     q, q, q, dropout_p=0.5, rng=1, backend=name)}
+        for attr, call in calls.items():
+            if attr in why:
+                with pytest.raises(fa.BackendUnavailableError, match=re.escape(why[attr])):
+                    call()
+            else:
+                call()                              # builds the graph
 
 
 def test_import_fastattn_does_not_import_dask():
