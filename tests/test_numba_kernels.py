@@ -586,3 +586,124 @@ def test_extreme_softcaps_compute_instead_of_raising(softcap, dtype):
         np.testing.assert_allclose(out, want, rtol=2e-5, atol=1e-6)
     for a in (out, lse, dq, dk, dv):
         assert np.isfinite(a).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# issue 14, the backward's formulation: each row's own max, Z and D from the kernel's tiles
+# (the classes KNOWN_DEFECTS listed as large_scores, backward_one_key_not_zero,
+# backward_D_cancellation, dropout_backward, softcap_swallows_nan)
+# ----------------------------------------------------------------------------------------------
+def _numba_grads_vs_reference(q, k, v, g, **kw):
+    """numba's gradients against the float64 reference under the tolerance rule; returns them."""
+    import fastattn as fa
+    from fastattn import reference
+    from helpers import assert_close_to_reference
+
+    out, lse = fa.scaled_dot_product_attention(q, k, v, return_lse=True, backend="numba", **kw)
+    got = fa.scaled_dot_product_attention_backward(g, q, k, v, out, lse, backend="numba", **kw)
+    low = np.float64 if q.dtype == np.float64 else np.float32
+    with np.errstate(all="ignore"):
+        want = reference.scaled_dot_product_attention_backward(g, q, k, v, **kw)
+        naive = reference.scaled_dot_product_attention_backward(g, q, k, v, dtype=low, **kw)
+    for name, a, r, n in zip(("dq", "dk", "dv"), got, want, naive):
+        assert_close_to_reference(a, r, n, low, name)
+    return got
+
+
+@pytest.mark.parametrize("dtype,mag", [(np.float32, 3e4), (np.float32, 1e10),
+                                       (np.float64, 1e10), (np.float64, 1e30)])
+@pytest.mark.parametrize("L,S", [(1, 1), (3, 17), (5, 40)])
+def test_backward_large_scores_follow_the_tolerance_rule(dtype, mag, L, S):
+    """Scores of |q.k| ~ 1e9 and beyond (float32 q, k ~ 3e4; float64 ~ 1e10 .. 1e30, where
+    |score| reaches 1e60): P = 2**(S*c - lse/kappa) with the forward's rounded lse gave whole
+    rows of weights that over- or underflowed (dv off by O(1), dq of 1e7 .. 1e20 where the
+    reference's is ~0). The rows are one-hot: dv = the attended rows' dout, dq = dk = 0."""
+    rng = np.random.default_rng(int(L * 100 + S))
+    q = (rng.standard_normal((2, 4, L, 3)) * mag).astype(dtype)
+    k = (rng.standard_normal((2, 2, S, 3)) * mag).astype(dtype)
+    v = rng.standard_normal((2, 2, S, 8)).astype(dtype)
+    g = rng.standard_normal((2, 4, L, 8)).astype(dtype)
+    for kw in ({}, dict(is_causal=True, causal_alignment="bottom_right"),
+               dict(dropout_p=0.2, rng=5)):
+        _numba_grads_vs_reference(q, k, v, g, enable_gqa=True, **kw)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_backward_rows_on_one_key_have_exactly_zero_dq_dk(dtype):
+    """Where a row attends one key its weight is 1 whatever the scores: dq = dk = 0 exactly
+    (the reference and torch give 0). P = 2**(x*c - lse/kappa) was 1 only up to lse's rounding,
+    and D = (P dP)/P then missed dP by an ulp in float64: dq ~1e-15, times |k| and the scale,
+    and ~1e-7 in float32 with dropout. Also with |v| ~ 1e30, where that ulp is ~1e14."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 3, 6, 8)).astype(dtype)
+    k = rng.standard_normal((2, 3, 7, 8)).astype(dtype)
+    g = rng.standard_normal((2, 3, 6, 5)).astype(dtype)
+    mask = np.zeros((6, 7), bool)
+    mask[np.arange(6), rng.integers(0, 7, 6)] = True
+    import fastattn as fa
+
+    for vmag in (3.4, 1e30 if dtype == np.float64 else 1e15):
+        v = (rng.standard_normal((2, 3, 7, 5)) * vmag).astype(dtype)
+        for kw in (dict(attn_mask=mask), dict(attn_mask=mask, softcap=2.0),
+                   dict(attn_mask=mask, dropout_p=0.3, rng=4), dict(scale=1e3, attn_mask=mask),
+                   dict(is_causal=True, window=(0, 0))):
+            out, lse = fa.scaled_dot_product_attention(q, k, v, return_lse=True, backend="numba",
+                                                       **kw)
+            dq, dk, dv = fa.scaled_dot_product_attention_backward(g, q, k, v, out, lse,
+                                                                  backend="numba", **kw)
+            assert not dq.any() and not dk.any(), (vmag, kw)
+            assert np.isfinite(dv).all()
+
+
+def test_known_defect_reproducers_of_the_backward():
+    """The reproducers KNOWN_DEFECTS carried for numba's backward, under the tolerance rule."""
+    rng = np.random.default_rng(11)
+    # dropout_backward: dq ~1e13 where the reference gives 0 (rows of batch 1 attend one key)
+    q = (rng.standard_normal((2, 2, 1, 1)) * 1e-10).astype(np.float32)
+    k = rng.standard_normal((2, 2, 70, 1)).astype(np.float32)
+    v = rng.standard_normal((2, 2, 70, 1)).astype(np.float32)
+    g = rng.standard_normal((2, 2, 1, 1)).astype(np.float32)
+    _numba_grads_vs_reference(q, k, v, g, is_causal=True, window=(1, None), dropout_p=0.2,
+                              rng=9)
+    # backward_D_cancellation: float64, |v| ~ 3e30, q, k ~ 25, scale 0.3, S = 3 (dq error 2.3e15)
+    q = rng.standard_normal((1, 2, 4, 8)) * 25
+    k = rng.standard_normal((1, 2, 3, 8)) * 25
+    v = rng.standard_normal((1, 2, 3, 8)) * 3e30
+    g = rng.standard_normal((1, 2, 4, 8))
+    _numba_grads_vs_reference(q, k, v, g, scale=0.3)
+    # ... and q (1,3,33,8), k (1,1,8,8), GQA, causal bottom_right, float mask (dq 2.6e-10)
+    q, k, v = (rng.standard_normal(s) for s in ((1, 3, 33, 8), (1, 1, 8, 8), (1, 1, 8, 8)))
+    g = rng.standard_normal((1, 3, 33, 8))
+    mask = rng.standard_normal((33, 8)) * 2
+    mask[rng.random((33, 8)) < 0.2] = -np.inf
+    _numba_grads_vs_reference(q, k, v, g, enable_gqa=True, is_causal=True,
+                              causal_alignment="bottom_right", attn_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("L", [1, 8])               # decode and the tiled forward
+def test_softcap_keeps_nan_scores_nan(dtype, L):
+    """tanh(NaN) must stay NaN: float32's tanh clamped |x| >= 10 with `ax < 10`, false for NaN,
+    so a NaN in an attended q gave a finite row of +-softcap scores (the reference: NaN)."""
+    import fastattn as fa
+
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, 2, L, 4)).astype(dtype)
+    k = rng.standard_normal((1, 2, 5, 4)).astype(dtype)
+    v = rng.standard_normal((1, 2, 5, 3)).astype(dtype)
+    q[0, 1, L - 1, 2] = np.nan
+    out, lse = fa.scaled_dot_product_attention(q, k, v, softcap=0.5, return_lse=True,
+                                               backend="numba")
+    assert np.isnan(out[0, 1, L - 1]).all() and np.isnan(lse[0, 1, L - 1])
+    assert np.isfinite(np.delete(out.reshape(-1, 3), 2 * L - 1, axis=0)).all()
+    k[0, 0, 3, 1] = np.nan                           # every row of head 0 attends key 3
+    out = fa.scaled_dot_product_attention(q, k, v, softcap=0.5, backend="numba")
+    assert np.isnan(out[0, 0]).all()
+
+
+def test_tanh_f32_propagates_nan():
+    x = np.array([np.nan, np.inf, -np.inf, 20.0, -0.3], np.float32)
+    o = np.empty_like(x)
+    _apply(_exp.tanh_f32, x, o)
+    assert np.isnan(o[0]) and o[1] == 1 and o[2] == -1 and o[3] == 1
+    assert abs(o[4] - np.tanh(np.float32(-0.3))) < 1e-7

@@ -130,7 +130,9 @@ def tanh_f32(x):
     # clamp to keep exp2 finite. tanh(x) rounds to 1 in float32 from x ~ 9.01
     # on (tanh(9) = 1 - 3.05e-8 rounds down to 1 - 2**-24, which a clamp at 9
     # returned for every larger x: -1 ulp on all saturated softcap scores)
-    axc = ax if ax < np.float32(10.0) else np.float32(10.0)
+    # (`not >=`: a NaN argument passes the clamp, so tanh(NaN) = NaN; `ax < 10` clamped it to
+    # 10 and a NaN score came out finite, +-softcap)
+    axc = ax if not (ax >= np.float32(10.0)) else np.float32(10.0)
     e = exp2_f32(axc * np.float32(2.0 * LOG2E))
     big = np.float32(1.0) - np.float32(2.0) / (e + np.float32(1.0))
     big = big if x >= np.float32(0.0) else -big

@@ -51,3 +51,11 @@ def dropout_threshold_nb(p):
         t = 4294967295.0
     return np.uint64(t)
 
+
+
+@njit
+def dropout_bh(a, b, h):
+    """The hash's (batch, head) coordinate of batch b, query head h of the record `a`: where
+    this call sits in a larger problem (KernelArgs.dropout_bh0, dropout_bh_stride; a whole
+    problem is b * Hq + h). Rows and keys add a.dropout_row0 / a.dropout_col0."""
+    return a.dropout_bh0 + b * a.dropout_bh_stride + h

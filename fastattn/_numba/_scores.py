@@ -26,11 +26,22 @@ from ._intrinsics import FM, fcast, wide_vectors
 
 
 @njit
+def natural_tiles(a):
+    """Whether the pipeline turns raw tiles into natural scores s = scale*x (see the units
+    note): softcap, ALiBi and a float mask are defined on s; and a scale whose scale*log2(e)
+    overflows the dtype (float32 scale > ~2.4e38: c = inf made every row NaN) is applied to
+    the scores instead of folded into c."""
+    if a.softcap > 0.0 or a.has_alibi or a.mask_kind == 2:
+        return True
+    return not (abs(fcast(a.q, a.scale * LOG2E)) < np.inf)
+
+
+@njit
 def score_units(a):
     """(to_nat, c, kappa) of a call, see the units note above: whether the pipeline turns
     tiles into natural scores, the factor c of the softmax (as passed; the softmax rounds it to
     the dtype) and kappa, which turns a log2-unit max back into a natural lse."""
-    to_nat = a.softcap > 0.0 or a.has_alibi or a.mask_kind == 2
+    to_nat = natural_tiles(a)
     c = LOG2E if to_nat else a.scale * LOG2E
     kappa = (1.0 if to_nat else a.scale) / np.float64(fcast(a.q, c))
     return to_nat, c, kappa
@@ -39,7 +50,7 @@ def score_units(a):
 @njit
 def needs_rows(a, band_partial, mstat):
     """Whether a block's tile goes through tile_scores at all (else it stays raw products)."""
-    return a.softcap > 0.0 or a.has_alibi or band_partial or mstat == 2
+    return band_partial or mstat == 2 or natural_tiles(a)
 
 
 @njit
@@ -156,7 +167,7 @@ def tile_scores(S, r0, r1, n, j0, pos0, a, slope, mbase, mstat, Gc, save_grad):
     ninf = fcast(S, -np.inf)
     sc = fcast(S, a.scale)
     use_cap = a.softcap > 0.0
-    to_nat = use_cap or a.has_alibi or a.mask_kind == 2
+    to_nat = natural_tiles(a)
     has_alibi = a.has_alibi
     mask_kind = a.mask_kind
     sL = a.msL

@@ -143,18 +143,85 @@ def tile_dropout(P, r0, r1, n, seed, bh, i0, j0, thresh):
                 P[r, j] = zero
 
 
-@njit(fastmath=FM)
+# The backward's weights are 2**(round(S*c) - m) (no 'contract', so no FMA): with m the row's
+# max of the same rounded products, the largest weight is exactly 1 however large |m| is, and
+# a row that attends one key gets P = 1, D = dP and dS = 0 exactly (see tile_norm).
+FM_ROUNDED = {'nsz', 'arcp', 'afn'}
+
+
+@njit(fastmath=FM_ROUNDED)
+def tile_norm(S, Z, nq, n, a, c, bh, i0, j0, ms, zs, ds, aoff):
+    """Sweep 1 of the backward on one tile: S holds the scores as tile_online reads them
+    (log2-unit score = S * c), Z = dO . V^T. Row r (query i0 + r) keeps its running max
+    ms[aoff + r] of the rounded S*c (log2 units; a value of the dtype, held in float64) and,
+    relative to it, Z = sum_j P and D = sum_j P dP (dP with dropout's keep/(1-p)) in float64
+    at zs/ds[aoff + r], rescaled when the max moves. bh, i0, j0: the dropout hash's
+    coordinates of the tile's first (row, key).
+
+    The row's own max rather than the forward's lse: lse/kappa is rounded, and at |lse| >~ 2**22
+    (float32 q.k ~ 1e9, float64 scores ~ 1e16 and beyond) that rounding over- or underflowed
+    every weight of the row (NaN or zero gradients); with the own max the largest weight is
+    exactly 1 at any magnitude, and where a row attends a single key (or one key outweighs the
+    rest by more than the dtype's range) D = dP exactly, so its dS is exactly 0, as the
+    reference's softmax gives, instead of dP's rounding times |P| (times |k| and the scale in
+    dq: ~1e-15 relative, or 1e15 absolute with |v| ~ 1e30)."""
+    wide_vectors()
+    ninf = fcast(S, -np.inf)
+    zero = fcast(S, 0.0)
+    cc = fcast(S, c)
+    do_drop = a.dropout_p > 0.0
+    thresh = dropout_threshold_nb(a.dropout_p)
+    ik = fcast(S, 1.0 / (1.0 - a.dropout_p))
+    for r in range(nq):
+        mx = ninf
+        for j in range(n):
+            mx = fmax_nan(mx, S[r, j] * cc)
+        m_old = ms[aoff + r]
+        m = fmax_nan(fcast(S, m_old), mx)
+        if m == ninf:
+            continue                            # nothing of this row in the tile
+        m64 = np.float64(m)
+        if not (m64 == m_old):                  # the max moved (or is NaN)
+            if m_old != -np.inf:
+                f = exp2v(m_old - m64)
+                zs[aoff + r] *= f
+                ds[aoff + r] *= f
+            ms[aoff + r] = m64
+        za = 0.0
+        da = 0.0
+        if do_drop:
+            rk = dropout_row_key(a.seed, bh, i0 + r)
+            for j in range(n):
+                p = exp2v(S[r, j] * cc - m)
+                ks = ik if dropout_bits(rk, j0 + j) >= thresh else zero
+                pd = np.float64(p)
+                za += pd
+                t = pd * np.float64(Z[r, j] * ks)
+                da += t if p != zero else 0.0      # dP may be Inf/NaN under a masked key
+        else:
+            for j in range(n):
+                p = exp2v(S[r, j] * cc - m)
+                pd = np.float64(p)
+                za += pd
+                t = pd * np.float64(Z[r, j])
+                da += t if p != zero else 0.0
+        zs[aoff + r] += za
+        ds[aoff + r] += da
+
+
+@njit(fastmath=FM_ROUNDED)
 def tile_grad(S, Z, Gc, nq, n, a, c, rows, roff, bh, i0, j0):
     """Backward tile pass (docs/KERNELS.md): S holds the scores as tile_online
     reads them (log2-unit score = S * c) and becomes dS; Z holds dO . V^T and
     becomes the weights after dropout, Pd. Row r is query i0 + r, with
-    rows = (lse2, Dd, Iz): lse2 = lse in the same log2 units, D and 1/Z at
-    Dd/Iz[roff + r]:
-        P = 2**(S*c - lse2) / Z, Pd = P*keep/(1-p),
+    rows = (m2, Dd, Iz): m2 the row's offset in the same log2 units (tile_norm's max, or
+    lse / kappa in the partial-keys mode), D and 1/Z at Dd/Iz[roff + r]:
+        P = 2**(round(S*c) - m2) * Iz, Pd = P*keep/(1-p),
         dS = P*(Z*keep/(1-p) - D) (* Gc = 1 - tanh**2 with softcap),
     without the final factor scale (applied to dq/dk at the end). dS = 0
     wherever P = 0: a NaN/Inf of a masked V reaches Z, and 0*NaN = NaN.
-    Dropout and softcap come from the record `a`."""
+    Dropout and softcap come from the record `a`; bh, i0, j0 are the dropout hash's
+    coordinates of the tile's first (row, key)."""
     lse2, Dd, Iz = rows[0], rows[1], rows[2]
     use_cap = a.softcap > 0.0
     do_drop = a.dropout_p > 0.0

@@ -2,22 +2,28 @@
 
 Work items are (batch, kv head, key chunk). An item owns its keys: for each
 key block it walks every query head of the KV group and every query block
-the causal/window band lets in, recomputes the scores, P = exp(s - lse) from
-the forward's lse, Z = dO . V^T, and accumulates dV += Pd^T dO, dK += dS^T Q
+the causal/window band lets in, recomputes the scores, P, dP = dO . V^T, and
+accumulates dV += Pd^T dO, dK += dS^T Q
 (both in the item's registers/cache, so dk/dv are complete when the key block
 ends: GQA's sum over the group needs no second pass) and dQ += dS . K into
 a dq accumulator of the item's own. Nothing is shared between items except
 the read-only inputs, so the result does not depend on thread timing: no
 atomics, and every sum runs in a fixed order.
 
-Before that, a pass over (batch, kv head, chunk of query blocks) units takes each row's
-Z = sum_j P and D = sum_j P dP from the same tiles (QK^T and dO V^T, scores
-by the same code), and the main pass uses P/Z and dS = (P/Z)(dP - D/Z), as
-the Cython kernel does: with P from the given float32 lse and D from
-rowsum(dO*O) of the given out, float32 gradients broke the tolerance rule on
-~1-5% of random small problems (up to 1.8x the bound; the lse's rounding
-scales whole rows of P, out's error reaches dS through D). The pass costs
-two of the main pass's five tile products.
+Before that, sweep 1 (a pass over (batch, kv head, chunk of query blocks) units)
+takes each row's own max m, Z = sum_j P and D = sum_j P dP from the same tiles
+(QK^T and dO V^T, scores by the same code, P = 2**(round(S*c) - m)), and the main
+pass uses P/Z and dS = (P/Z)(dP - D/Z), as the Cython kernel does (docs/KERNELS.md
+sec. 7): with P from the given float32 lse and D from rowsum(dO*O) of the given out,
+float32 gradients broke the tolerance rule on ~1-5% of random small problems (the
+lse's rounding scales whole rows of P, out's error reaches dS through D); the lse's
+rounding at large scores (|lse| >~ 2**22 in log2 units) over/underflowed whole rows;
+and with m the row's exact max, a row attending one key gets dS = 0 exactly. Sweep 1
+costs two of the main pass's five tile products.
+
+The partial-keys mode (record field has_delta, for a part of the keys whose lse and
+D = rowsum(dO*O) belong to the whole problem) skips sweep 1: P = exp(s - lse) as
+given, D = delta, no renormalization (_delta_rows).
 
 Keys are split into chunks only when batch*kv_heads cannot keep the threads
 busy (as decode does); then each chunk leaves a dq partial and a last pass
@@ -36,41 +42,53 @@ from ._blas import blas_single_thread, numba_threads, prime_blas
 from ._bwd_ops import b_nn, b_pack_a, b_pack_b, b_pack_rows, b_qk, b_tn, dq_nonfinite
 from ._gemm import MR, PW
 from ._exp import exp2v
-from ._hash import dropout_bits, dropout_row_key, dropout_threshold_nb
+from ._hash import dropout_bh
 from ._intrinsics import FM, atomic_next, fcast, wide_vectors
 from ._record import numba_args, positive
 from ._scores import (
     alibi_slope, band_partial, block_status, mask_base, needs_rows, outside_band, score_units,
     sink_logit, tile_scores)
-from ._tiles import block_all_finite, tile_grad
+from ._tiles import block_all_finite, tile_grad, tile_norm
 
 
 @njit(cache=True, fastmath=FM, nogil=True)
-def _rows_prologue(r0, r1, lse, kappa, lse2):
-    """lse in tile_grad's log2 units (lse / kappa, kappa as the forward's
-    finalize used it; +inf for rows with lse = -inf, so their P = 2**(-inf)
-    = 0). (D is not rowsum(dO * O) from `out`: _norm_unit takes it from the
-    tiles.)"""
+def _delta_rows(r0, r1, a, lse, kappa, rows):
+    """The partial-keys mode (a.has_delta: k/v hold part of the keys, lse and delta belong to the
+    whole problem): rows r0..r1-1 of rows = (m2, Dd, Iz, P_sink * D) from the given lse and D
+    instead of sweep 1, so P = exp(s - lse) is not renormalized by this part's Z: m2 = lse in
+    tile_grad's log2 units (lse / kappa, kappa as the forward's finalize used it; +inf for
+    rows with lse = -inf, so their P = 2**(-inf) = 0), Dd = delta, Iz = 1, and with sinks
+    P_sink * D = exp(sink - lse) * delta (dsinks = -sum P_sink * D, as in the whole problem)."""
+    lse2, Dd, Iz = rows[0], rows[1], rows[2]
     lf = lse.reshape(-1)
+    df = a.delta.reshape(-1)
+    B, Hq, L = lse.shape
+    one = fcast(lse2, 1.0)
     for r in range(r0, r1):
         x = lf[r]
         lse2[r] = np.inf if x == -np.inf else np.float64(x) / kappa
+        Dd[r] = df[r]
+        Iz[r] = one
+        if a.has_sinks:
+            h = (r // L) % Hq
+            sk = sink_logit(a, h)
+            ps = 0.0 if x == -np.inf else np.exp(sk - np.float64(x))
+            rows[3][r] = ps * np.float64(df[r])
 
 
 @njit(cache=True, fastmath=FM, nogil=True)
-def _norm_unit(u, a, dout, rows, plan, ws, zs, ds):
-    """Row sums of the tiles the main pass recomputes: Z = sum_j P
-    (P = 2**(S*c - lse2), lse as given) and D = sum_j P dP (dP with dropout's
-    keep/(1-p)), in float64, over every key a row sees, with the main pass's
-    own score code (same bits). Writes Iz = 1/Z and Dd = D/Z (rows = (lse2, Dd,
-    Iz, P_sink * D); with a sink, Z includes its weight), so the main pass uses
-    P/Z and dS = (P/Z)(dP - D/Z): errors of the given
-    lse (its rounding scales a whole row of P) and of `out` (D from rowsum(dO*O)
-    cancels against dP where a row's attention sits on one key) do not reach the
-    gradients. Unit u = (batch, kv head, chunk c of the query blocks, plan.nqc
-    chunks): the query blocks of chunk c of every head of the group, key blocks
-    outer, so each K/V block is packed once per unit (as in _backward_item).
-    zs, ds: the worker's float64 row accumulators."""
+def _norm_unit(u, a, dout, rows, plan, ws, zs, ds, ms):
+    """Sweep 1: each row's offset m (its own max score), Z = sum_j P and D = sum_j P dP
+    (P = 2**(round(S*c) - m), dP with dropout's keep/(1-p)), in float64, over every key the
+    row sees, from the tiles the main pass recomputes with the same score code (tile_norm).
+    Writes rows = (m2 = m, Dd = D/Z, Iz = 1/Z, P_sink * D) (with a sink, Z includes its
+    weight), so the main pass uses P/Z and dS = (P/Z)(dP - D/Z). Neither the given lse nor
+    `out` is read: the lse's rounding scales a whole row of P (and at large scores over- or
+    underflows it), and D from rowsum(dO*O) cancels against dP where a row's attention sits on
+    one key. Unit u = (batch, kv head, chunk c of the query blocks, plan.nqc chunks): the
+    query blocks of chunk c of every head of the group, key blocks outer, so each K/V block is
+    packed once per unit (as in _backward_item). zs, ds, ms: the worker's float64 row
+    accumulators (Z, D, running max)."""
     wide_vectors()
     q, k, v = a.q, a.k, a.v
     lse2, Dd, Iz = rows[0], rows[1], rows[2]
@@ -99,11 +117,7 @@ def _norm_unit(u, a, dout, rows, plan, ws, zs, ds):
     vf = v.reshape(-1)
     dof = dout.reshape(-1)
     to_nat, c_exp, kappa = score_units(a)
-    do_drop = a.dropout_p > 0.0
-    thresh = dropout_threshold_nb(a.dropout_p)
-    ik = fcast(q, 1.0 / (1.0 - a.dropout_p))
     zero = fcast(q, 0.0)
-    cc = fcast(q, c_exp)
     ab = np.empty(2, q.dtype)
     ab[0] = fcast(q, 1.0)
     ab[1] = zero
@@ -122,9 +136,12 @@ def _norm_unit(u, a, dout, rows, plan, ws, zs, ds):
             rowoff = (b * Hq + h) * L + i0
             b_pack_a(qf, rowoff * E, nq, E, Qa, (hh * Lp + qb * Bqp) * Eld)
             b_pack_a(dof, rowoff * Ev, nq, Ev, Da, (hh * Lp + qb * Bqp) * Evld)
+            # the running max starts at the sink (as the forward's does), so Z's terms are <= 1
+            m0 = np.float64(fcast(q, sink_logit(a, h) / kappa))
             for r in range(nq):
                 zs[hh * Lp + qb * Bqp + r] = 0.0
                 ds[hh * Lp + qb * Bqp + r] = 0.0
+                ms[hh * Lp + qb * Bqp + r] = m0
     j_first = (s_lo // Bk) * Bk
     for j0 in range(j_first, max(s_hi, j_first), Bk):
         n = min(Bk, S - j0)
@@ -133,6 +150,7 @@ def _norm_unit(u, a, dout, rows, plan, ws, zs, ds):
         for hh in range(g):
             h = hk * g + hh
             bh = b * Hq + h
+            dbh = dropout_bh(a, b, h)
             slope = alibi_slope(a, b, h)
             for qb in range(qb_lo, qb_hi):
                 i0 = qb * Bq
@@ -154,28 +172,8 @@ def _norm_unit(u, a, dout, rows, plan, ws, zs, ds):
                     tile_scores(Ws, 0, nq, n, j0, pos_first, a, slope, mbase, mstat, Wg, False)
                 b_qk(Wz, TB, Da, aoff * Evld, dof, rowoff * Ev, Ev, ntq, nq, Vb, vf,
                      vbase + j0 * Ev, n, ab)
-                for r in range(nq):
-                    l2 = lse2[rowoff + r]
-                    za = 0.0
-                    da = 0.0
-                    if do_drop:
-                        rk = dropout_row_key(a.seed, bh, i0 + r)
-                        for j in range(n):
-                            p = exp2v(Ws[r, j] * cc - l2)
-                            ks = ik if dropout_bits(rk, j0 + j) >= thresh else zero
-                            pd = np.float64(p)
-                            za += pd
-                            t = pd * np.float64(Wz[r, j] * ks)
-                            da += t if p != zero else 0.0
-                    else:
-                        for j in range(n):
-                            p = exp2v(Ws[r, j] * cc - l2)
-                            pd = np.float64(p)
-                            za += pd
-                            t = pd * np.float64(Wz[r, j])
-                            da += t if p != zero else 0.0
-                    zs[aoff + r] += za
-                    ds[aoff + r] += da
+                tile_norm(Ws, Wz, nq, n, a, c_exp, dbh, a.dropout_row0 + i0, a.dropout_col0 + j0,
+                          ms, zs, ds, aoff)
     for hh in range(g):
         h = hk * g + hh
         for qb in range(qb_lo, qb_hi):
@@ -183,22 +181,27 @@ def _norm_unit(u, a, dout, rows, plan, ws, zs, ds):
             nq = min(Bq, L - i0)
             rowoff = (b * Hq + h) * L + i0
             aoff = hh * Lp + qb * Bqp
-            sink2 = sink_logit(a, h) / kappa          # the sink in lse2's log2 units
+            sink2 = sink_logit(a, h) / kappa          # the sink in log2 units
             for r in range(nq):
+                m = ms[aoff + r]
+                if m == -np.inf:                # no key and no sink: P = 0 everywhere
+                    lse2[rowoff + r] = np.inf
+                    Iz[rowoff + r] = zero
+                    Dd[rowoff + r] = zero
+                    if a.has_sinks:
+                        rows[3][rowoff + r] = 0.0
+                    continue
                 z = zs[aoff + r]
                 if a.has_sinks:
                     # the sink's weight joins Z (the row's real keys sum to 1 - P_sink); its
-                    # share P_sink * D feeds dsinks (no value row: its dS is -P_sink * D)
-                    l2 = np.float64(lse2[rowoff + r])
-                    e = exp2v(sink2 - l2) if l2 != np.inf else 0.0
+                    # share P_sink * D feeds dsinks (no value row: its dS is -P_sink * D).
+                    # m >= the sink (ms started there), so e <= 1.
+                    e = exp2v(sink2 - m) if sink2 != -np.inf else 0.0
                     z += e
-                    rows[3][rowoff + r] = (e / z) * (ds[aoff + r] / z) if z > 0.0 else 0.0
-                if z > 0.0:
-                    Iz[rowoff + r] = fcast(q, 1.0 / z)
-                    Dd[rowoff + r] = fcast(q, ds[aoff + r] / z)
-                else:                           # no key (P = 0 everywhere) or NaN
-                    Iz[rowoff + r] = fcast(q, 0.0) if z == 0.0 else fcast(q, z)
-                    Dd[rowoff + r] = fcast(q, 0.0) if z == 0.0 else fcast(q, z)
+                    rows[3][rowoff + r] = (e / z) * (ds[aoff + r] / z)
+                lse2[rowoff + r] = fcast(q, m)  # exact: m is a value of the dtype
+                Iz[rowoff + r] = fcast(q, 1.0 / z)  # z >= 1 (the max's weight), or NaN
+                Dd[rowoff + r] = fcast(q, ds[aoff + r] / z)
 
 
 @njit(cache=True, fastmath=FM, nogil=True)
@@ -277,6 +280,7 @@ def _backward_item(it, a, dout, rows, grads, plan, dqp, ws):
         for hh in range(g):
             h = hk * g + hh
             bh = b * Hq + h
+            dbh = dropout_bh(a, b, h)
             slope = alibi_slope(a, b, h)
             for qb in range(qb_lo, qb_hi):
                 i0 = qb * Bq
@@ -297,7 +301,8 @@ def _backward_item(it, a, dout, rows, grads, plan, dqp, ws):
                     tile_scores(Ws, 0, nq, n, j0, pos_first, a, slope, mbase, mstat, Wg, True)
                 b_qk(Wz, TB, Da, aoff * Evld, dof, rowoff * Ev, Ev, ntq, nq, Vb, vf,
                      vbase + j0 * Ev, n, ab)
-                tile_grad(Ws, Wz, Wg, nq, n, a, c_exp, rows, rowoff, bh, i0, j0)
+                tile_grad(Ws, Wz, Wg, nq, n, a, c_exp, rows, rowoff, dbh, a.dropout_row0 + i0,
+                          a.dropout_col0 + j0)
                 b_tn(Wdv, TB, Evp // MR, Ev, Dr, aoff * Evp, Evp, dof, rowoff * Ev, Ev, Wz, TB,
                      nq, n, ab)
                 b_tn(Wdk, TB, Ep // MR, E, Qr, aoff * Ep, Ep, qf, rowoff * E, E, Ws, TB, nq, n, ab)
@@ -353,28 +358,29 @@ BwdPlan = namedtuple("BwdPlan", "Bq Bk csize nchunks nthreads nqc")
 
 @njit(parallel=True, cache=True, nogil=True)
 def _backward_kernel(a, dout, lse, grads, plan, rows, dqp, zsum, ws):
-    """Parallel body of backward(): rows = (lse2, Dd, Iz, P_sink * D) per query row, filled here;
+    """Parallel body of backward(): rows = (m2, Dd, Iz, P_sink * D) per query row, filled here;
     ws = the stacked per-worker scratch arrays (workspace())."""
     q, k = a.q, a.k
     dq, dk, dv = grads
-    lse2 = rows[0]
     Bq = plan.Bq
     nthreads = plan.nthreads
     B, Hq, L, E = q.shape
     Hkv = k.shape[1]
     g = Hq // Hkv
     kappa = score_units(a)[2]
-    R = B * Hq * L
-    nr = min(R, 4 * nthreads)
-    per = (R + nr - 1) // nr
-    for x in prange(nr):
-        _rows_prologue(x * per, min(R, x * per + per), lse, kappa, lse2)
     wQ, wD, wQr, wDr, wK, wV, wS, wZ, wG, wdk, wdv, wdq, wVs = ws
+    nqb = (L + Bq - 1) // Bq
+    if a.has_delta:
+        # the partial-keys mode: the rows come from the given lse and D, no sweep 1
+        R = B * Hq * L
+        nr = min(R, 4 * nthreads)
+        per = (R + nr - 1) // nr
+        for x in prange(nr):
+            _delta_rows(x * per, min(R, x * per + per), a, lse, kappa, rows)
     # Z = sum_j P and D = sum_j P dP from the tiles (_norm_unit); units (batch,
     # kv head, chunk of query blocks), chunks only when B*Hkv alone cannot keep
     # every thread busy
-    nqb = (L + Bq - 1) // Bq
-    n_units = B * Hkv * plan.nqc
+    n_units = 0 if a.has_delta else B * Hkv * plan.nqc
     ucount = np.zeros(1, np.int64)
     for w in prange(min(nthreads, n_units)):
         while True:
@@ -382,7 +388,7 @@ def _backward_kernel(a, dout, lse, grads, plan, rows, dqp, zsum, ws):
             if u >= n_units:
                 break
             _norm_unit(u, a, dout, rows, plan, (wQ[w], wD[w], wK[w], wV[w], wS[w], wZ[w], wG[w]),
-                       zsum[w, 0], zsum[w, 1])
+                       zsum[w, 0], zsum[w, 1], zsum[w, 2])
     n_items = B * Hkv * plan.nchunks
     dkf = dk.reshape(-1)
     dvf = dv.reshape(-1)
@@ -456,8 +462,9 @@ def workspace(dtype, T, g, L, E, Ev, Bq, Bk, softcap, n_items, nchunks):
 
 def backward(args, dout, out, lse, dq, dk, dv, dsinks):
     """docs/KERNELS.md backward of the record `args` (KernelArgs); args.tuning.bwd_block_q,
-    bwd_block_k and bwd_chunks override the defaults (0 = choose). `out` is not read (D comes
-    from the recomputed tiles, see the module docstring)."""
+    bwd_block_k and bwd_chunks override the defaults (0 = choose). `out` is not read, nor `lse`
+    unless args.has_delta (the row offsets, Z and D come from the recomputed tiles, see the
+    module docstring)."""
     q, k, v = args.q, args.k, args.v
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -481,11 +488,11 @@ def backward(args, dout, out, lse, dq, dk, dv, dsinks):
         n_items = B * Hkv * nc
         T = max(1, min(T, n_items))
         ws = workspace(q.dtype, T, g, L, E, Ev, Bq, Bk, args.softcap, n_items, nc)
-        # lse2, Dd, Iz per query row, and each row's P_sink * D (float64) for dsinks
+        # m2, Dd, Iz per query row, and each row's P_sink * D (float64) for dsinks
         rows = (np.empty(B * Hq * L, q.dtype), np.empty(B * Hq * L, q.dtype),
                 np.empty(B * Hq * L, q.dtype),
                 np.empty(B * Hq * L if args.has_sinks else 1, np.float64))
-        zsum = np.empty((T, 2, g * -(-L // Bq) * (-(-Bq // MR) * MR)))
+        zsum = np.empty((T, 3, g * -(-L // Bq) * (-(-Bq // MR) * MR)))
         # query-block chunks of the _norm_unit pass: only when B*Hkv alone cannot keep every
         # thread busy (T here is the thread count the kernel's prange loops run with)
         nqb = -(-L // Bq)
