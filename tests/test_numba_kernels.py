@@ -707,3 +707,141 @@ def test_tanh_f32_propagates_nan():
     _apply(_exp.tanh_f32, x, o)
     assert np.isnan(o[0]) and o[1] == 1 and o[2] == -1 and o[3] == 1
     assert abs(o[4] - np.tanh(np.float32(-0.3))) < 1e-7
+
+
+# ----------------------------------------------------------------------------------------------
+# issues 13/17: the dropout hash's position offsets (Problem.dropout_origin) and the partial-keys
+# backward (Problem.delta) in numba's forward, decode and backward
+# ----------------------------------------------------------------------------------------------
+def _nb():
+    """The numba backend, loaded (registry entries load on first use of `available`)."""
+    from fastattn._backends import registry
+
+    be = registry["numba"]
+    assert be.available, be.reason
+    return be
+
+
+@pytest.mark.parametrize("L,Hq", [(3, 4), (29, 4)])     # decode (L*G <= 64) and the tiled forward
+def test_dropout_origin_gives_the_pieces_kept_set(L, Hq):
+    """A piece at (batch*heads 1*8+2.., rows 5.., keys 7..) of a larger problem keeps exactly the
+    weights the hash gives there (V = identity exposes them); the backward regenerates the same
+    set (numba's gradients equal numpy's, which reads the same offsets)."""
+    from fastattn import _dropout
+    from fastattn._backends import registry
+    from fastattn._inputs import make_problem
+
+    rng = np.random.default_rng(L)
+    S, p_drop = 41, 0.5
+    q = rng.standard_normal((2, Hq, L, 8))
+    k = rng.standard_normal((2, 2, S, 8))
+    v = np.broadcast_to(np.eye(S), (2, 2, S, S)).copy()
+    origin = (1 * 8 + 2, 8, 5, 7)
+    p = make_problem(q, k, v, dropout_p=p_drop, rng=1234, enable_gqa=True)
+    p.dropout_origin = origin
+    want = _dropout.piece_keep(p.seed, p_drop, origin, np.arange(2)[:, None, None, None],
+                               np.arange(Hq)[None, :, None, None], np.arange(L)[:, None],
+                               np.arange(S)[None, :])
+    out, lse = _nb().forward(p)
+    assert np.array_equal(out != 0, want)
+    whole = make_problem(q, k, v, dropout_p=p_drop, rng=1234, enable_gqa=True)
+    assert not np.array_equal(_nb().forward(whole)[0] != 0, want)
+    # the backward's kept set: the same gradients as numpy's (within float64's 1e-10)
+    v = rng.standard_normal((2, 2, S, 5))
+    p = make_problem(q, k, v, dropout_p=p_drop, rng=1234, enable_gqa=True)
+    p.dropout_origin = origin
+    out, lse = registry["numpy"].forward(p)
+    g = rng.standard_normal(out.shape)
+    got = _nb().backward(p, g, out, lse)
+    ref = registry["numpy"].backward(p, g, out, lse)
+    for name, a, b in zip(("dq", "dk", "dv"), got[:3], ref[:3]):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-10, err_msg=name)
+
+
+def _key_parts_backward(p_whole, g, out, lse, cuts, causal):
+    """numba's backward of the key parts [c0, c1) of Problem p_whole, each with the whole
+    problem's lse and D = rowsum(g * out) (Problem.delta) and the whole problem's band moved
+    into the part (fastattn._parts, as fastattn.dask does): (dq summed, dk, dv concatenated)."""
+    import dataclasses
+
+    from fastattn import _parts
+
+    L, S = p_whole.q.shape[2], p_whole.k.shape[2]
+    band = _parts.global_band(L, S, causal, "top_left", (None, None))
+    delta = _parts.row_delta(g, out, p_whole.dtype)
+    dq = np.zeros_like(p_whole.q)
+    dks, dvs = [], []
+    for c0, c1 in zip(cuts[:-1], cuts[1:]):
+        part = dataclasses.replace(p_whole, k=np.ascontiguousarray(p_whole.k[:, :, c0:c1]),
+                                   v=np.ascontiguousarray(p_whole.v[:, :, c0:c1]))
+        assert _parts.place(part, band, 0, c0, (0, p_whole.q.shape[1], 0, c0)) == 0
+        part.delta = delta
+        a, b, c, _ = _nb().backward(part, g, out, lse)
+        dq += a
+        dks.append(b)
+        dvs.append(c)
+    return dq, np.concatenate(dks, axis=2), np.concatenate(dvs, axis=2)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_partial_keys_backward_sums_to_the_whole(dtype, causal):
+    """has_delta: k/v hold a part of the keys, lse and D belong to the whole problem, P is not
+    renormalized by the part's Z. dq summed over 3 key parts and the parts' dk/dv equal the
+    whole backward (float64 within 1e-10, float32 within the tolerance rule); without delta
+    (each part normalized on its own) they do not."""
+    import dataclasses
+
+    from fastattn import reference
+    from fastattn._inputs import make_problem
+    from helpers import assert_close_to_reference
+
+    rng = np.random.default_rng(17 + causal)
+    q = rng.standard_normal((2, 4, 150, 16)).astype(dtype)
+    k = rng.standard_normal((2, 2, 300, 16)).astype(dtype)
+    v = rng.standard_normal((2, 2, 300, 8)).astype(dtype)
+    kw = dict(enable_gqa=True, is_causal=causal, dropout_p=0.1, rng=3)
+    p = make_problem(q, k, v, **kw)
+    out, lse = _nb().forward(p)
+    g = rng.standard_normal(out.shape).astype(dtype)
+    whole = _nb().backward(p, g, out, lse)[:3]
+    cuts = (0, 77, 256, 300)           # uneven, one part inside a 128-key block
+    got = _key_parts_backward(p, g, out, lse, cuts, causal)
+    low = np.float64 if dtype == np.float64 else np.float32
+    want = reference.scaled_dot_product_attention_backward(g, q, k, v, **kw)
+    naive = reference.scaled_dot_product_attention_backward(g, q, k, v, dtype=low, **kw)
+    for name, a, w, r, n in zip(("dq", "dk", "dv"), got, whole, want, naive):
+        assert_close_to_reference(a, r, n, low, name)
+        if dtype == np.float64:
+            np.testing.assert_allclose(a, w, rtol=1e-10, atol=1e-10, err_msg=name)
+    # the mode matters: a key part normalized by its own Z gives other gradients
+    part = dataclasses.replace(p, k=np.ascontiguousarray(k[:, :, :77]),
+                               v=np.ascontiguousarray(v[:, :, :77]))
+    own = _nb().backward(part, g, out, lse)[0]
+    assert np.abs(own - got[0]).max() > 1e-3
+
+
+def test_partial_keys_backward_dsinks_from_the_given_lse_and_delta():
+    """With sinks and has_delta (the kernel record allows it; the API passes sinks' gradient
+    around the kernel), dsinks = -sum_{b,i} exp(sink - lse) * delta: the whole problem's."""
+    from fastattn._backends._kernel_args import kernel_args
+    from fastattn._inputs import make_problem
+    from fastattn._numba import backward as bwd
+    from fastattn._parts import row_delta, sink_grad
+
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((1, 2, n, 8)) for n in (9, 20, 20))
+    sinks = rng.standard_normal(2)
+    p = make_problem(q, k, v, sinks=sinks)
+    out, lse = _nb().forward(p)
+    g = rng.standard_normal(out.shape)
+    p.delta = row_delta(g, out, p.dtype)
+    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    dsinks = np.zeros(2)
+    bwd.backward(kernel_args(p, 2), g, out, lse, dq, dk, dv, dsinks)
+    np.testing.assert_allclose(dsinks, sink_grad(sinks, lse, p.delta), rtol=1e-12)
+    # with every key in the "part", the given lse and D are the kernel's own: the same gradients
+    p.delta = None
+    want = _nb().backward(p, g, out, lse)
+    for a, b in zip((dq, dk, dv, dsinks), want):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)

@@ -61,9 +61,7 @@ def _import_kernels():
 class NumbaBackend(CompiledBackend):
     name = "numba"
     # record fields whose kernel support is not built yet: auto routes such calls elsewhere
-    unsupported_options = {
-        "delta": "numba's backward does not take a given D (the partial-keys backward) yet",
-        "dropout_origin": "numba's dropout hash does not take the record's position offsets yet"}
+    unsupported_options = {}
 
     def _load(self) -> None:
         forward, decode, softmax, backward = _import_kernels()

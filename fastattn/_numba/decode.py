@@ -18,7 +18,7 @@ from numba.extending import overload
 
 from ._blas import blas_single_thread, gemm_nn, gemm_nt, numba_threads, prime_blas
 from ._exp import exp2v
-from ._hash import dropout_threshold_nb
+from ._hash import dropout_bh, dropout_threshold_nb
 from ._intrinsics import FM, atomic_next, fcast, fmax_nan, wide_vectors
 from ._record import numba_args, positive
 from ._scores import (
@@ -160,7 +160,8 @@ def _decode_item(it, a, plan, pm, pl, pacc):
                 if do_drop:
                     for hh in range(g):
                         tile_dropout(Pb, hh * L, hh * L + L, n, a.seed,
-                                     b * Hq + hk * g + hh, 0, j0, thresh)
+                                     dropout_bh(a, b, hk * g + hh), a.dropout_row0,
+                                     a.dropout_col0 + j0, thresh)
                 voff = vbase + j0 * Ev
                 # no exact path where no weight is zeroed by a mask/dropout
                 # (see forward.py)

@@ -18,7 +18,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from ._blas import blas_single_thread, gemm_nn, gemm_nt, numba_threads, prime_blas
-from ._hash import dropout_threshold_nb
+from ._hash import dropout_bh, dropout_threshold_nb
 from ._intrinsics import FM, atomic_next, fcast, prefetch_l2, wide_vectors
 from ._record import numba_args, positive
 from ._scores import (
@@ -279,7 +279,9 @@ def _forward_item(it, a, out, lse, plan, Kp, ws, pf_it):
         else:
             tile_online(Sb, Pb, 0, nq, n, m, lsum, acc, Ev, c_exp, dlim)
         if do_drop:
-            tile_dropout(Pb, 0, nq, n, a.seed, bh, i0, j0, thresh)
+            # the hash at this tile's place in the whole problem (KernelArgs.dropout_*)
+            tile_dropout(Pb, 0, nq, n, a.seed, dropout_bh(a, b, h), a.dropout_row0 + i0,
+                         a.dropout_col0 + j0, thresh)
 
         voff = vbase + j0 * Ev
         # The exact path only matters where a weight is exactly 0 because of a
