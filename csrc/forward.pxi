@@ -358,17 +358,26 @@ cdef int run_forward(AttnProblem *p, floating *dummy) noexcept nogil:
 
 # ---- Python entry ---------------------------------------------------------------------------
 
-def forward(args, floating[:, :, :, ::1] out, floating[:, :, ::1] lse):
+def forward(args, out, lse):
     """FlashAttention-2 forward of the record `args` (KernelArgs, docs/KERNELS.md); fills out
-    and lse."""
+    and lse.  The dtype of out decides the specialization (see decode)."""
+    cdef ArrView o, l
+    if view_outputs(out, lse, &o, &l):
+        forward_call(args, &o, &l, <double *>NULL)
+    else:
+        forward_call(args, &o, &l, <float *>NULL)
+
+
+cdef int forward_call(object args, ArrView *o, ArrView *l, floating *dummy) except -1:
     cdef AttnProblem p
-    fill_problem(&p, args, <floating *>NULL, out.shape, lse.shape)
+    fill_problem(&p, args, dummy, o.shape, l.shape)
     if p.B * p.Hq * p.L == 0:
-        return
-    p.out = <char *>&out[0, 0, 0, 0] if mv_size(out.shape, 4) else NULL
-    p.lse = <char *>&lse[0, 0, 0]
+        return 0
+    p.out = o.data
+    p.lse = l.data
     cdef int rc
     with nogil:
-        rc = run_forward(&p, <floating *>NULL)
+        rc = run_forward(&p, dummy)
     if rc != 0:
         raise MemoryError("attention kernel: could not allocate per-thread scratch")
+    return 0

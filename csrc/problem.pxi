@@ -1,3 +1,7 @@
+import sys as _sys
+
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_RECORDS, PyBUF_RECORDS_RO
+
 # The one C struct of a call (AttnProblem), filled once from the kernel record
 # (fastattn/_backends/_kernel_args.py: KernelArgs) by fill_problem.  Every kernel family reads
 # its options, arrays and tuning from here; none keeps state between calls.
@@ -147,100 +151,187 @@ cdef int64_t mask_stride(tuple shape, tuple want, tuple strides, Py_ssize_t item
     return want[d]
 
 
+ctypedef struct ArrView:              # an array as a kernel reads it: no memoryview object
+    char *data                       # NULL when the array has no element
+    Py_ssize_t shape[4]
+    Py_ssize_t strides[4]            # bytes
+
+
+# The byte-order prefix of a native buffer format besides "@" and "=" (numpy writes "<f" for
+# some native arrays); set at import from sys.byteorder.
+cdef bytes _NATIVE_ORDER = b"<" if _sys.byteorder == "little" else b">"
+cdef const char *_FORMAT_BYTES = b"B"      # a buffer without a format holds unsigned bytes
+
+
+cdef int view_array(object obj, ArrView *v, int ndim, char *code, bint writable,
+                    bint contiguous, str name) except -1:
+    """v = obj's data pointer, shape and byte strides, checked: ndim dims of code[0] elements
+    ('f' float, 'd' double, 'B' uint8; code[0] = 0 takes 'f' or 'd' and sets code[0] to the
+    one found), C-contiguous if asked.  A typed memoryview checks the
+    same but builds a Python object per array: ~1 us of a ~5 us decode call for the 5-9
+    arrays of a record.  The buffer is released at once: the caller's record (or argument)
+    holds the array for the whole call, so the pointer outlives the view."""
+    cdef Py_buffer b
+    cdef int d
+    cdef Py_ssize_t want, itemsize, n = 1
+    cdef const char *fmt
+    cdef const char *fmt0
+    PyObject_GetBuffer(obj, &b, PyBUF_RECORDS if writable else PyBUF_RECORDS_RO)
+    try:
+        if b.ndim != ndim:
+            raise ValueError(f"attention kernel: {name} must have {ndim} dims, got {b.ndim}")
+        fmt0 = fmt = b.format if b.format != NULL else _FORMAT_BYTES
+        if fmt[0] == b"@" or fmt[0] == b"=" or fmt[0] == (<const char *>_NATIVE_ORDER)[0]:
+            fmt += 1
+        if code[0] == 0 and (fmt[0] == b"f" or fmt[0] == b"d"):
+            code[0] = fmt[0]
+        itemsize = 4 if code[0] == b"f" else 8 if code[0] == b"d" else 1
+        if fmt[0] != code[0] or fmt[1] != 0 or b.itemsize != itemsize:
+            raise ValueError(f"attention kernel: {name} has elements of buffer format "
+                             f"{(<bytes>fmt0).decode()!r}, "
+                             f"expected " + (repr(chr(code[0])) if code[0] else "'f' or 'd'"))
+        want = itemsize
+        for d in range(ndim - 1, -1, -1):
+            v.shape[d] = b.shape[d]
+            v.strides[d] = b.strides[d]
+            n *= b.shape[d]
+            if contiguous and b.shape[d] > 1 and b.strides[d] != want:
+                raise ValueError(f"attention kernel: {name} is not C-contiguous")
+            want *= b.shape[d]
+        for d in range(ndim, 4):
+            v.shape[d] = 1
+            v.strides[d] = 0
+        v.data = <char *>b.buf if n else NULL
+    finally:
+        PyBuffer_Release(&b)
+    return 0
+
+
+cdef inline uint32_t record_uint32(object x, str name) except? 0xFFFFFFFF:
+    if not (0 <= x < 4294967296):
+        raise ValueError(f"attention kernel: {name}={x} is not a uint32")
+    return <uint32_t>int(x)
+
+
 cdef int fill_problem(AttnProblem *p, object a, floating *dummy, Py_ssize_t *outs,
                       Py_ssize_t *lses) except -1:
     """Check the record (make_problem guarantees it; this is the safety net against a
-    segfault) and fill p from it.  outs/lses: shapes of the out/lse arrays of the call."""
-    cdef const floating[:, :, :, ::1] q = a.q
-    cdef const floating[:, :, :, ::1] k = a.k
-    cdef const floating[:, :, :, ::1] v = a.v
-    cdef const uint8_t[:, :, :, :] mb = a.mask_bool
-    cdef const floating[:, :, :, :] mf = a.mask_float
-    cdef const floating[:, ::1] al = a.alibi
-    cdef const floating[::1] sk = a.sinks
-    cdef const floating[:, :, ::1] dl = a.delta
-    cdef tuple qs = shape4(q.shape), ks = shape4(k.shape), vs = shape4(v.shape)
-    cdef ptrdiff_t B = qs[0], Hq = qs[1], L = qs[2], E = qs[3]
-    cdef ptrdiff_t Hkv = ks[1], S = ks[2], Ev = vs[3]
-    if ks[0] != B or vs[0] != B or vs[1] != Hkv or vs[2] != S or ks[3] != E:
-        raise ValueError(f"attention kernel: q {qs}, k {ks}, v {vs} do not agree")
+    segfault) and fill p from it.  outs/lses: shapes of the out/lse arrays of the call.
+    Absent masks, slopes, sinks and delta (their flags off) are not looked at: their pointers are
+    NULL, and every read of them is behind its flag."""
+    cdef char code = b"f" if floating is float else b"d"
+    cdef char code_b = b"B"
+    cdef Py_ssize_t item = sizeof(floating), item_m
+    cdef int d
+    cdef ArrView q, k, v, m
+    view_array(a.q, &q, 4, &code, False, True, "q")
+    view_array(a.k, &k, 4, &code, False, True, "k")
+    view_array(a.v, &v, 4, &code, False, True, "v")
+    cdef ptrdiff_t B = q.shape[0], Hq = q.shape[1], L = q.shape[2], E = q.shape[3]
+    cdef ptrdiff_t Hkv = k.shape[1], S = k.shape[2], Ev = v.shape[3]
+    if k.shape[0] != B or v.shape[0] != B or v.shape[1] != Hkv or v.shape[2] != S or k.shape[3] != E:
+        raise ValueError(f"attention kernel: q {shape4(q.shape)}, k {shape4(k.shape)}, "
+                         f"v {shape4(v.shape)} do not agree")
     if Hkv == 0 and Hq != 0 or Hkv != 0 and Hq % Hkv != 0:
         raise ValueError(f"attention kernel: Hq={Hq} is not a multiple of Hkv={Hkv}")
-    if shape4(outs) != (B, Hq, L, Ev) or (lses[0], lses[1], lses[2]) != (B, Hq, L):
+    if (outs[0] != B or outs[1] != Hq or outs[2] != L or outs[3] != Ev
+            or lses[0] != B or lses[1] != Hq or lses[2] != L):
         raise ValueError(f"attention kernel: out {shape4(outs)} / lse "
                          f"{(lses[0], lses[1], lses[2])} do not match "
                          f"{(B, Hq, L, Ev)} / {(B, Hq, L)}")
     cdef int mask_kind = a.mask_kind
     if mask_kind not in (0, 1, 2):
         raise ValueError(f"attention kernel: mask_kind must be 0, 1 or 2, got {mask_kind}")
-    cdef tuple ms = shape4(mb.shape) if mask_kind == 1 else shape4(mf.shape)
-    cdef tuple full = (B, Hq, L, S)
-    cdef tuple want = tuple(a.mask_strides)
-    cdef tuple mstrides = shape4(mb.strides) if mask_kind == 1 else shape4(mf.strides)
-    cdef Py_ssize_t item = 1 if mask_kind == 1 else sizeof(floating)
+    cdef tuple ms, full, want, mstrides
     p.msb = p.msh = p.msi = p.msj = 0
+    p.mask_b = NULL
+    p.mask_f = NULL
     if mask_kind:
+        if mask_kind == 1:
+            view_array(a.mask_bool, &m, 4, &code_b, False, False, "mask_bool")
+            p.mask_b = <const uint8_t *>m.data
+        else:
+            view_array(a.mask_float, &m, 4, &code, False, False, "mask_float")
+            p.mask_f = <const char *>m.data
+        ms = shape4(m.shape)
+        full = (B, Hq, L, S)
+        want = tuple(a.mask_strides)
+        mstrides = shape4(m.strides)
         for d in range(4):
             if ms[d] != 1 and ms[d] != full[d]:
                 raise ValueError(f"attention kernel: mask shape {ms} does not broadcast "
                                  f"to {full}")
-        p.msb = mask_stride(ms, want, mstrides, item, 0)
-        p.msh = mask_stride(ms, want, mstrides, item, 1)
-        p.msi = mask_stride(ms, want, mstrides, item, 2)
-        p.msj = mask_stride(ms, want, mstrides, item, 3)
+        item_m = 1 if mask_kind == 1 else item
+        p.msb = mask_stride(ms, want, mstrides, item_m, 0)
+        p.msh = mask_stride(ms, want, mstrides, item_m, 1)
+        p.msi = mask_stride(ms, want, mstrides, item_m, 2)
+        p.msj = mask_stride(ms, want, mstrides, item_m, 3)
     cdef bint has_alibi = a.has_alibi
-    if has_alibi and (al.shape[1] != Hq or al.shape[0] not in (1, B)):
-        raise ValueError(f"attention kernel: alibi shape {(al.shape[0], al.shape[1])}, "
-                         f"expected (1 or {B}, {Hq})")
+    p.alibi = NULL
+    p.alibi_bs = 0
+    if has_alibi:
+        view_array(a.alibi, &m, 2, &code, False, True, "alibi")
+        if m.shape[1] != Hq or m.shape[0] not in (1, B):
+            raise ValueError(f"attention kernel: alibi shape {(m.shape[0], m.shape[1])}, "
+                             f"expected (1 or {B}, {Hq})")
+        p.alibi = <const char *>m.data
+        p.alibi_bs = Hq if m.shape[0] != 1 else 0
     cdef bint has_sinks = a.has_sinks
-    if has_sinks and sk.shape[0] != Hq:
-        raise ValueError(f"attention kernel: sinks shape ({sk.shape[0]},), expected ({Hq},)")
+    p.sinks = NULL
+    if has_sinks:
+        view_array(a.sinks, &m, 1, &code, False, True, "sinks")
+        if m.shape[0] != Hq:
+            raise ValueError(f"attention kernel: sinks shape ({m.shape[0]},), expected ({Hq},)")
+        p.sinks = <const char *>m.data
     cdef bint has_delta = a.has_delta
-    if has_delta and (dl.shape[0], dl.shape[1], dl.shape[2]) != (B, Hq, L):
-        raise ValueError(f"attention kernel: delta shape {(dl.shape[0], dl.shape[1], dl.shape[2])}"
-                         f", expected {(B, Hq, L)}")
+    p.delta = NULL
+    if has_delta:
+        view_array(a.delta, &m, 3, &code, False, True, "delta")
+        if (m.shape[0], m.shape[1], m.shape[2]) != (B, Hq, L):
+            raise ValueError(f"attention kernel: delta shape {(m.shape[0], m.shape[1], m.shape[2])}"
+                             f", expected {(B, Hq, L)}")
+        p.delta = <const char *>m.data
     cdef double dropout_p = a.dropout_p
     if not (0.0 <= dropout_p < 1.0):
         raise ValueError(f"attention kernel: dropout_p={dropout_p} outside [0, 1)")
     cdef int64_t win_left = a.win_left, win_right = a.win_right
     if win_left < 0 or win_right < 0:
         raise ValueError("attention kernel: window sides must be >= 0")
-    seed = int(a.seed)
-    if not (0 <= seed < 2 ** 32):
-        raise ValueError(f"attention kernel: seed {seed} is not a uint32")
-    for name in ("dropout_bh0", "dropout_bh_stride", "dropout_row0", "dropout_col0"):
-        if not (0 <= getattr(a, name) < 2 ** 32):
-            raise ValueError(f"attention kernel: {name}={getattr(a, name)} is not a uint32")
+    p.seed = record_uint32(a.seed, "seed")
+    p.drop_bh0 = record_uint32(a.dropout_bh0, "dropout_bh0")
+    p.drop_bh_stride = record_uint32(a.dropout_bh_stride, "dropout_bh_stride")
+    p.drop_row0 = record_uint32(a.dropout_row0, "dropout_row0")
+    p.drop_col0 = record_uint32(a.dropout_col0, "dropout_col0")
     fill_tune(&p.tune, a.tuning)
     p.B, p.Hq, p.Hkv, p.L, p.S, p.E, p.Ev = B, Hq, Hkv, L, S, E, Ev
     p.G = Hq // Hkv if Hkv else 1
     p.mask_kind = mask_kind
     p.has_alibi = has_alibi
-    p.alibi_bs = Hq if has_alibi and al.shape[0] != 1 else 0
     p.has_sinks = has_sinks
     p.has_delta = has_delta
     p.scale = a.scale
-    p.softcap = a.softcap if a.softcap > 0 else 0.0
+    cdef double softcap = a.softcap
+    p.softcap = softcap if softcap > 0 else 0.0
     p.q_offset = a.q_offset
     # an "unbounded" side arrives as L + S + 1; clamp so pos +- w can never overflow int64
     p.wl = min(win_left, L + S + 1)
     p.wr = min(win_right, L + S + 1)
     p.has_dropout = dropout_p > 0
-    p.seed = <uint32_t>seed
-    p.thresh = <uint32_t>min(int(dropout_p * 4294967296.0), 4294967295)
+    p.thresh = <uint32_t>min(<double>(dropout_p * 4294967296.0), 4294967295.0)
     p.keep_scale = 1.0 / (1.0 - dropout_p)
-    p.drop_bh0, p.drop_bh_stride = a.dropout_bh0, a.dropout_bh_stride
-    p.drop_row0, p.drop_col0 = a.dropout_row0, a.dropout_col0
     p.n_threads = a.n_threads
-    # size-0 dims have no element 0: NULL instead (never read).  The record holds the arrays
-    # for the whole call, so the pointers outlive these views.
-    p.q = <const char *>&q[0, 0, 0, 0] if mv_size(q.shape, 4) else NULL
-    p.k = <const char *>&k[0, 0, 0, 0] if mv_size(k.shape, 4) else NULL
-    p.v = <const char *>&v[0, 0, 0, 0] if mv_size(v.shape, 4) else NULL
-    p.mask_b = &mb[0, 0, 0, 0] if mv_size(mb.shape, 4) else NULL
-    p.mask_f = <const char *>&mf[0, 0, 0, 0] if mv_size(mf.shape, 4) else NULL
-    p.alibi = <const char *>&al[0, 0] if mv_size(al.shape, 2) else NULL
-    p.sinks = <const char *>&sk[0] if mv_size(sk.shape, 1) else NULL
-    p.delta = <const char *>&dl[0, 0, 0] if mv_size(dl.shape, 3) else NULL
+    # size-0 arrays have no element 0: NULL (never read)
+    p.q = <const char *>q.data
+    p.k = <const char *>k.data
+    p.v = <const char *>v.data
     p.out = p.lse = NULL
     return 0
+
+
+cdef int view_outputs(object out, object lse, ArrView *o, ArrView *l) except -1:
+    """out (B, Hq, L, Ev) and lse (B, Hq, L): writable, C-contiguous, both float or both
+    double. Returns 1 for double."""
+    cdef char code = 0
+    view_array(out, o, 4, &code, True, True, "out")
+    view_array(lse, l, 3, &code, True, True, "lse")
+    return code == b"d"
