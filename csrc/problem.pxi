@@ -180,7 +180,7 @@ cdef int view_array(object obj, ArrView *v, int ndim, char *code, bint writable,
     try:
         if b.ndim != ndim:
             raise ValueError(f"attention kernel: {name} must have {ndim} dims, got {b.ndim}")
-        fmt0 = fmt = b.format if b.format != NULL else _FORMAT_BYTES
+        fmt0 = fmt = <const char *>b.format if b.format != NULL else _FORMAT_BYTES
         if fmt[0] == b"@" or fmt[0] == b"=" or fmt[0] == (<const char *>_NATIVE_ORDER)[0]:
             fmt += 1
         if code[0] == 0 and (fmt[0] == b"f" or fmt[0] == b"d"):

@@ -10,7 +10,7 @@ import numbers
 
 import numpy as np
 
-from . import _backends, _parts
+from . import _backends, _fastpath, _parts
 from ._backends.numpy_ import safe_matmul
 from ._inputs import (as_float_array, check_backward_rng, check_same_dtype, check_scale,
                       check_window, compute_dtype, describe, for_kernels, lse_dtype,
@@ -75,24 +75,37 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     out (..., Hq, L, Ev) in the input dtype, and lse if return_lse. A row whose keys are all
     masked gives 0 (and lse -inf, or the head's sink with sinks), never NaN.
     """
-    p = make_problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                     causal_alignment=causal_alignment, window=window, softcap=softcap,
-                     alibi_slopes=alibi_slopes, sinks=sinks, rng=rng)
+    pkey = None
+    if (attn_mask is None and window is None and softcap is None and alibi_slopes is None
+            and sinks is None and part_of is None):
+        # the per-token path: a call with the key of an earlier one reuses its plan
+        # (fastattn/_fastpath.py); any other call, or the first of a key, goes the full way
+        pkey = _fastpath.plan_key(query, key, value, dropout_p, is_causal, scale, enable_gqa,
+                                  causal_alignment, backend)
+        if pkey is not None:
+            res = _fastpath.run(pkey, query, key, value)
+            if res is not None:
+                return res if return_lse else res[0]
+    p0 = make_problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                      causal_alignment=causal_alignment, window=window, softcap=softcap,
+                      alibi_slopes=alibi_slopes, sinks=sinks, rng=rng)
     shift = 0
     if part_of is not None:
         fn = "scaled_dot_product_attention"
-        shift, keys_part = _place_part(p, part_of, is_causal, causal_alignment, window, fn)
+        shift, keys_part = _place_part(p0, part_of, is_causal, causal_alignment, window, fn)
         if keys_part and sinks is not None:
             raise ValueError(f"{fn}: sinks with part_of={tuple(part_of)}, a part of the keys: a "
                              f"sink belongs to no key part; compute the parts without sinks and "
                              f"pass sinks to merge_attention(outs, lses, sinks=...)")
-    p = for_kernels(p)[0]        # scale <= 0 rewritten for the kernels, same scores
+    p = for_kernels(p0)[0]       # scale <= 0 rewritten for the kernels, same scores
     be = _backends.resolve(p, "forward", backend)
     if p.is_empty or p.q.shape[3] == 0:
         be = _numpy()            # degenerate sizes: the NumPy code path handles every edge
     out, lse = be.forward(p)
     if shift:
         lse = lse - _parts.alibi_shift(p.alibi, shift, lse.dtype)
+    if pkey is not None and p is p0:
+        _fastpath.remember(pkey, p, be)
     if out.dtype != p.in_dtype or out.shape != p.out_shape:   # (the usual call: neither)
         with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, its own answer
             out = out.astype(p.in_dtype, copy=False).reshape(p.out_shape)

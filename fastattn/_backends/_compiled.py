@@ -51,13 +51,18 @@ class CompiledBackend(Backend):
                 reasons.append(why)
         return reasons
 
-    def forward(self, p):
-        out, lse = forward_outputs(p)
+    def forward_plan(self, p):
+        """(kernel, record) of the forward of Problem `p`: decode or tiled forward, and the
+        threads for it. fastattn._fastpath keeps them to serve calls of the same key."""
         if use_decode(p):
             kernel, n = self._decode_kernel, self.decode_threads(p, _config.num_threads())
         else:
             kernel, n = self._forward_kernel, _config.num_threads()
-        args = kernel_args(p, n)
+        return kernel, kernel_args(p, n)
+
+    def forward(self, p):
+        out, lse = forward_outputs(p)
+        kernel, args = self.forward_plan(p)
         _process.note_pool_used()
         kernel(args, out, lse)
         return out, lse

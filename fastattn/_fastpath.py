@@ -1,0 +1,136 @@
+"""Call plans: the per-token path of scaled_dot_product_attention.
+
+A decode loop calls attention thousands of times with the same few shapes and options, and its
+kernel takes ~1 us; the full path (make_problem's checks, the Problem, resolve, the kernel
+record) costs several times that in Python. So a call that went the full way with options that
+do not vary per call (no mask, window, softcap, ALiBi, sinks or dropout) leaves a plan: the
+backend, its kernel, and the kernel record without q/k/v. A later call with the same key -- the
+shapes, dtype, scale, is_causal, enable_gqa, causal_alignment and backend= argument -- reuses it.
+
+Correctness rests on two things:
+- A plan is made only after the full path accepted the same key, and everything make_problem
+  checks is a function of the key (the shapes, dtype and scalars), except the array types and
+  layout, which are checked here on every call (exact ndarrays of one native float32/float64
+  dtype; other layouts are made contiguous as make_problem does). Every error therefore still
+  comes from the full path, with its message.
+- The backend choice is a function of state outside the call (use_backend, set_backend, the
+  environment's reading, the registry, the tuning block), so a plan remembers the state it was
+  made under and is used only while that state is the same object for object. A fork() child
+  starts with no plans (numba's availability changes there).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+from . import _backends, _config, _process
+from ._backends._compiled import CompiledBackend
+from ._backends._kernel_args import KernelArgs
+from ._inputs import Problem, lse_dtype
+from ._tuning import current_tuning
+
+_F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
+_ndarray = np.ndarray
+_ascontiguous = np.ascontiguousarray
+_new_record = tuple.__new__
+_context_choice = _backends._context_choice
+_registry = _backends.registry
+_empty = np.empty
+
+# Problem fields a plan's key determines, or that are the per-call arrays; every other field
+# must have its default for a call to be planned.
+_KEYED = {"q", "k", "v", "scale", "band", "in_dtype", "out_shape", "lse_shape"}
+_OPTION_FIELDS = tuple(f for f in dataclasses.fields(Problem) if f.name not in _KEYED)
+assert all(f.default is not dataclasses.MISSING for f in _OPTION_FIELDS)
+
+# key -> (backend, kernel, record tail, state, out shape, lse shape, lse dtype)
+_plans: dict = {}
+# A decode loop over a growing cache makes one plan per length; the dict is emptied when it
+# gets this big (a plan is rebuilt by one full call).
+MAX_PLANS = 512
+
+
+def plan_key(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
+             backend):
+    """The plan key of a call, or None when the call is not of the planned kind.
+
+    Only exact types make a key: `True == 1` and `1 == 1.0` hash alike, so a bool where a
+    number is expected (or a number where a bool is) must not find the plan of a valid call."""
+    if type(query) is not _ndarray or type(key) is not _ndarray or type(value) is not _ndarray:
+        return None
+    dt = query.dtype
+    if not ((dt is _F32 or dt is _F64) and key.dtype is dt and value.dtype is dt
+            and query.ndim == 4):     # (B, H, N, D): the kernels' layout, results as they are
+        return None
+    tp = type(dropout_p)
+    if not ((tp is float or tp is int) and dropout_p == 0):
+        return None
+    if not ((is_causal is False or is_causal is True)
+            and (enable_gqa is False or enable_gqa is True)
+            and type(causal_alignment) is str
+            and (backend is None or type(backend) is str)):
+        return None
+    if scale is not None:
+        tp = type(scale)
+        if not (tp is float or tp is int):
+            return None
+    return (query.shape, key.shape, value.shape, dt is _F64, scale, is_causal, enable_gqa,
+            causal_alignment, backend)
+
+
+def _state(backend_obj):
+    return (_context_choice.get(), _backends._process_choice, _config._settings,
+            current_tuning(), _registry.get(backend_obj.name))
+
+
+def run(pkey, query, key, value):
+    """(out, lse) of the call through its plan, or None when there is no valid plan."""
+    plan = _plans.get(pkey)
+    if plan is None:
+        return None
+    be, kernel, tail, state, out_shape, lse_shape, lse_dt = plan
+    ctx, proc, settings, tune, reg = state
+    if not (_context_choice.get() is ctx and _backends._process_choice is proc
+            and _config._settings is settings and current_tuning() is tune
+            and _registry.get(be.name) is be):
+        return None
+    dt = query.dtype
+    out = _empty(out_shape, dt)
+    lse = _empty(lse_shape, lse_dt)
+    _process.note_pool_used()
+    kernel(_new_record(KernelArgs, (_ascontiguous(query), _ascontiguous(key),
+                                    _ascontiguous(value)) + tail), out, lse)
+    return out, lse
+
+
+def remember(pkey, p, be) -> None:
+    """Make the plan of a call that went the full way: Problem `p` (as the kernels took it,
+    unrewritten) served by backend `be`."""
+    if not isinstance(be, CompiledBackend) or type(be).forward is not CompiledBackend.forward:
+        return                        # the numpy backend, or a backend with its own forward
+    if "forward" in vars(be):
+        return                        # an instance whose forward was replaced
+    if p.is_empty or p.q.shape[3] == 0:
+        return                        # served by the numpy backend
+    if pkey[0] != p.q.shape or p.out_shape != p.q.shape[:3] + p.v.shape[3:]:
+        return                        # not the kernels' layout (plan_key asks for 4-D arrays)
+    for f in _OPTION_FIELDS:          # every option at its default (also fields added later)
+        value = getattr(p, f.name)
+        if value is not f.default and (f.default is None or value != f.default):
+            return
+    kernel, record = be.forward_plan(p)
+    if len(_plans) >= MAX_PLANS:
+        _plans.clear()
+    _plans[pkey] = (be, kernel, tuple(record[3:]), _state(be), tuple(p.out_shape),
+                    tuple(p.lse_shape), lse_dtype(p.dtype))
+
+
+def clear() -> None:
+    _plans.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=clear)
