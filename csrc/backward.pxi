@@ -649,6 +649,7 @@ def backward(args, const floating[:, :, :, ::1] dout, const floating[:, :, :, ::
     cdef AttnProblem p
     cdef BwdArgs a
     fill_problem(&p, args, <floating *>NULL, out.shape, lse.shape)
+    require_dense_kv(&p, "backward")
     if shape4(dout.shape) != shape4(out.shape):
         raise ValueError(f"attention backward: dout {shape4(dout.shape)} does not match out "
                          f"{shape4(out.shape)}")

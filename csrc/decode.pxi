@@ -39,26 +39,29 @@ cdef void dec_item(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t it, ptrdi
     cdef ptrdiff_t c = it % nsplit, g = it // nsplit
     cdef ptrdiff_t b, hk, r0, rows, r, rr, h, i
     dec_rows(p, g, nrg, Rcap, &b, &hk, &r0, &rows)
-    cdef int64_t pmin = p.q_offset + p.L, pmax = p.q_offset - 1
-    cdef int64_t jlo, jhi
+    cdef int64_t qo = seq_q_offset(p, b), nk = seq_keys(p, b)
+    cdef int64_t pmin = qo + p.L, pmax = qo - 1
+    cdef int64_t jlo, jhi, end, ko, vo
     if floating is float:
         if rows == 1 and dec_one_row_ok(p):
             # MHA decode (one row per KV head): fa_decode1.h. Row 0 of KV head hk is query
-            # head hk, position q_offset; the band of one row is the key range [jlo, jhi).
+            # head hk, position qo; the band of one row is the key range [jlo, jhi), read run
+            # by run of keys stored at one stride (kv_segment: the range, or each page).
             set_lane(p, w, dummy, 0, b, hk, 0)
             w.rows = 1
-            jlo = max(c * chunk, max(<int64_t>0, p.q_offset - p.wl))
-            jhi = min(min((c + 1) * chunk, <int64_t>p.S), p.q_offset + p.wr + 1)
+            jlo = max(c * chunk, max(<int64_t>0, qo - p.wl))
+            jhi = min(min((c + 1) * chunk, nk), qo + p.wr + 1)
             (<float *>w.m)[0] = -INFINITY
             (<float *>w.l)[0] = 0
             memset(w.O, 0, p.Ev * sizeof(float))
-            if jlo < jhi:
+            while jlo < jhi:
+                end = min(kv_segment(p, b, jlo, &ko, &vo), jhi)
                 fa_decode1_f_avx512(<const float *>p.q + w.orow[0] * p.E,
-                                    <const float *>p.k + ((b * p.Hkv + hk) * p.S + jlo) * p.E,
-                                    p.E,
-                                    <const float *>p.v + ((b * p.Hkv + hk) * p.S + jlo) * p.Ev,
-                                    p.Ev, jhi - jlo, p.E, p.Ev, <float>p.scale,
+                                    <const float *>p.k + ko + hk * p.ksh, p.kss,
+                                    <const float *>p.v + vo + hk * p.vsh, p.vss,
+                                    end - jlo, p.E, p.Ev, <float>p.scale,
                                     <float *>w.m, <float *>w.l, <float *>w.O, p.prefetch)
+                jlo = end
             dec_item_done(p, w, dummy, it, rows, nsplit, Rcap, part_O, part_ml)
             return
     for r in range(rows):
@@ -75,7 +78,7 @@ cdef void dec_item(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t it, ptrdi
     cdef bint dot = rows <= 4 and k_has_dot(dummy) and p.tune.dec_use_dot
     start_rows(p, w, dummy, rows, W, pw_nv * vw, dot)
     jlo = max(c * chunk, max(<int64_t>0, pmin - p.wl))
-    jhi = min(min((c + 1) * chunk, <int64_t>p.S), pmax + p.wr + 1)
+    jhi = min(min((c + 1) * chunk, nk), pmax + p.wr + 1)
     if jlo < jhi:
         attend_rows(p, w, dummy, b, hk, jlo, jhi, pmin, pmax, p.msh == 0 and p.msi == 0)
     dec_item_done(p, w, dummy, it, rows, nsplit, Rcap, part_O, part_ml)

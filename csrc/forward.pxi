@@ -31,6 +31,8 @@ ctypedef struct Work:                # per-thread scratch, one buffer (fa_scratc
     char *cmax
     char *slope
     char *kpad                       # last partial strip of K rows, [MR][E]
+    char *kbuf                       # a block's K rows gathered across pages, [Bk][E] (paged)
+    char *vbuf                       #   and its V rows, [Bk][Ev]
     int64_t *pos                     # query position (i + q_offset) per lane
     int64_t *moff                    # mask offset of row (b, h, i) per lane
     int64_t *orow                    # global query row (b*Hq + h)*L + i per lane
@@ -46,7 +48,7 @@ cdef inline size_t _al(size_t x) noexcept nogil:
 cdef Work *work_new(AttnProblem *p, floating *dummy) noexcept nogil:
     cdef size_t t = sizeof(floating)
     cdef ptrdiff_t mr = k_mr(dummy)
-    cdef size_t sz[14]
+    cdef size_t sz[16]
     # Qt: panels of Wcap lanes, or 4 rows of stride round_up(E, 16) for fa_qk_dot
     sz[0] = _al(max(p.Wcap * p.E, 4 * round_up(p.E, 16)) * t)
     sz[1] = _al(round_up(p.Bk, mr) * p.lds * t)
@@ -56,8 +58,10 @@ cdef Work *work_new(AttnProblem *p, floating *dummy) noexcept nogil:
     sz[9] = sz[10] = sz[11] = _al(p.Wcap * 8)
     sz[12] = _al(p.Wcap * 4)
     sz[13] = _al(sizeof(Work))
+    sz[14] = _al(p.Bk * p.E * t) if p.page_size else 0
+    sz[15] = _al(p.Bk * p.Ev * t) if p.page_size else 0
     cdef size_t total = 64, i
-    for i in range(14):
+    for i in range(16):
         total += sz[i]
     cdef char *base = <char *>fa_scratch_get(total)
     if base == NULL:
@@ -80,7 +84,9 @@ cdef Work *work_new(AttnProblem *p, floating *dummy) noexcept nogil:
     w.pos = <int64_t *>c; c += sz[9]
     w.moff = <int64_t *>c; c += sz[10]
     w.orow = <int64_t *>c; c += sz[11]
-    w.rk = <uint32_t *>c
+    w.rk = <uint32_t *>c; c += sz[12]
+    w.kbuf = c; c += sz[14]
+    w.vbuf = c
     memset(w.slope, 0, sz[7])
     memset(w.pos, 0, sz[9] + sz[10] + sz[11] + sz[12])
     return w
@@ -92,7 +98,7 @@ cdef inline void work_free(Work *w) noexcept nogil:
 
 cdef inline void set_lane(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t r, ptrdiff_t b,
                           ptrdiff_t h, ptrdiff_t i) noexcept nogil:
-    w.pos[r] = i + p.q_offset
+    w.pos[r] = i + seq_q_offset(p, b)
     w.moff[r] = b * p.msb + h * p.msh + i * p.msi
     w.orow[r] = (b * p.Hq + h) * p.L + i
     if p.has_alibi:
@@ -157,16 +163,93 @@ cdef void start_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t rows, p
     memset(O, 0, p.Wcap * p.ldo * sizeof(floating))
 
 
+cdef inline void prefetch_rows(const floating *X, ptrdiff_t ld, ptrdiff_t rows,
+                               ptrdiff_t len) noexcept nogil:
+    """Prefetch rows [0, rows) of X (row length len, stride ld): one run when they touch."""
+    cdef ptrdiff_t r
+    if ld == len:
+        fa_prefetch(X, rows * len * sizeof(floating))
+        return
+    for r in range(rows):
+        fa_prefetch(X + r * ld, len * sizeof(floating))
+
+
+cdef inline bint rows_allfinite(const floating *X, ptrdiff_t ld, ptrdiff_t rows,
+                                ptrdiff_t len) noexcept nogil:
+    cdef ptrdiff_t r
+    if ld == len:
+        return k_allfinite(X, rows * len)
+    for r in range(rows):
+        if not k_allfinite(X + r * ld, len):
+            return False
+    return True
+
+
+cdef void block_kv(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, ptrdiff_t hk,
+                   int64_t j0, ptrdiff_t n, const floating **K, const floating **V,
+                   ptrdiff_t *ldk, ptrdiff_t *ldv) noexcept nogil:
+    """Where keys [j0, j0 + n) of kv head (b, hk) are: their rows in place (K, ldk), or, for a
+    block that straddles pages of a paged cache, gathered into the thread's scratch, so that
+    the blocks, and so the sums and their order, are those of the same cache stored
+    contiguously (the same bits wherever the cache lives)."""
+    cdef int64_t ko, vo, end = kv_segment(p, b, j0, &ko, &vo), j = j0, cnt, r = 0, i, e
+    cdef const floating *src
+    cdef floating *dst
+    if j0 + n <= end:
+        K[0] = <const floating *>p.k + ko + hk * p.ksh
+        V[0] = <const floating *>p.v + vo + hk * p.vsh
+        ldk[0] = p.kss
+        ldv[0] = p.vss
+        return
+    while r < n:
+        if j > j0:
+            end = kv_segment(p, b, j, &ko, &vo)
+        cnt = min(end - j, n - r)
+        for i in range(cnt):
+            src = <const floating *>p.k + ko + hk * p.ksh + i * p.kss
+            dst = <floating *>w.kbuf + (r + i) * p.E
+            for e in range(p.E):
+                dst[e] = src[e]
+            src = <const floating *>p.v + vo + hk * p.vsh + i * p.vss
+            dst = <floating *>w.vbuf + (r + i) * p.Ev
+            for e in range(p.Ev):
+                dst[e] = src[e]
+        r += cnt
+        j += cnt
+    K[0] = <const floating *>w.kbuf
+    V[0] = <const floating *>w.vbuf
+    ldk[0] = p.E
+    ldv[0] = p.Ev
+
+
+cdef void prefetch_keys(AttnProblem *p, floating *dummy, ptrdiff_t b, ptrdiff_t hk, int64_t j,
+                        int64_t n, bint values) noexcept nogil:
+    """Prefetch the K (values: V) rows of keys [j, j + n) of kv head (b, hk), page by page."""
+    cdef int64_t ko, vo, end, cnt
+    cdef ptrdiff_t len = p.Ev if values else p.E
+    while n > 0:
+        end = kv_segment(p, b, j, &ko, &vo)
+        cnt = min(end - j, n)
+        if values:
+            prefetch_rows(<const floating *>p.v + vo + hk * p.vsh, p.vss, cnt, len)
+        else:
+            prefetch_rows(<const floating *>p.k + ko + hk * p.ksh, p.kss, cnt, len)
+        j += cnt
+        n -= cnt
+
+
 cdef void attend_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, ptrdiff_t hk,
                       int64_t jlo, int64_t jhi, int64_t pmin, int64_t pmax,
                       int uniform) noexcept nogil:
     """Run keys [jlo, jhi) of kv head (b, hk) against the started lanes (start_rows), block
-    by block.  pmin/pmax: the lanes' smallest and largest query position."""
+    by block (each block's K/V rows: block_kv).  pmin/pmax: the lanes' smallest and largest
+    query position."""
     cdef ptrdiff_t rows = w.rows, W = w.W
     cdef int pw_nv = w.pw_nv
     cdef bint dot = w.dot
-    cdef const floating *K = <const floating *>p.k + (b * p.Hkv + hk) * p.S * p.E
-    cdef const floating *V = <const floating *>p.v + (b * p.Hkv + hk) * p.S * p.Ev
+    cdef const floating *K
+    cdef const floating *V
+    cdef ptrdiff_t ldk, ldv
     cdef floating *S = <floating *>w.S
     cdef floating *cmax = <floating *>w.cmax
     cdef ptrdiff_t E = p.E, Ev = p.Ev, lds = p.lds, n, i
@@ -176,6 +259,7 @@ cdef void attend_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, ptr
     while j0 < jhi:
         n = p.Bk if jhi - j0 > p.Bk else jhi - j0
         n2 = min(p.Bk, jhi - j0 - n) if p.prefetch else 0   # next block, fetched meanwhile
+        block_kv(p, w, dummy, b, hk, j0, n, &K, &V, &ldk, &ldv)
         # does the window/causal band cut through this block for some lane?
         win_partial = j0 < pmax - p.wl or j0 + n - 1 > pmin + p.wr
         masked = p.mask_kind != 0 or win_partial
@@ -190,13 +274,13 @@ cdef void attend_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, ptr
         while s0 < n:
             ns = min(p.tune.pf_qk if n2 > 0 else n, n - s0)
             if dot:
-                k_qk_dot(K + (j0 + s0) * E, E, ns, E, <const floating *>w.Qt, round_up(E, 16),
+                k_qk_dot(K + s0 * ldk, ldk, ns, E, <const floating *>w.Qt, round_up(E, 16),
                          <int>rows, S + s0 * lds, lds, p.scale)
             else:
-                k_qk(K + (j0 + s0) * E, E, ns, E, <const floating *>w.Qt, W, pw_nv,
+                k_qk(K + s0 * ldk, ldk, ns, E, <const floating *>w.Qt, W, pw_nv,
                      S + s0 * lds, lds, cmax if clean else NULL, <floating *>w.kpad, p.scale)
             if s0 < n2:
-                fa_prefetch(K + (j0 + n + s0) * E, min(ns, n2 - s0) * E * sizeof(floating))
+                prefetch_keys(p, dummy, b, hk, j0 + n + s0, min(ns, n2 - s0), False)
             s0 += ns
         if dot or not clean:
             # spec order: softcap, ALiBi, float mask, bool mask, window (the last three
@@ -217,16 +301,16 @@ cdef void attend_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, ptr
             k_dropout(S, lds, n, W, j0 + p.drop_col0, w.rk, p.thresh)
         # 0 * NaN = NaN in the tile product: when some weight may be an exact 0 (masking,
         # dropout) and this V block holds Inf/NaN, take the zero-skipping path.
-        exact = (masked or p.has_dropout) and not k_allfinite(V + j0 * Ev, n * Ev)
+        exact = (masked or p.has_dropout) and not rows_allfinite(V, ldv, n, Ev)
         # P·V likewise in slices of tune.pf_pv keys (a multiple of the kernels' 32-key summation
         # chunk, so the sums and their order are those of one call); alpha rescales O once.
         s0 = 0
         while s0 < n:
             ns = min(p.tune.pf_pv if n2 > 0 else n, n - s0)
-            k_pv(S + s0 * lds, lds, ns, V + (j0 + s0) * Ev, Ev, Ev, <floating *>w.O, p.ldo,
+            k_pv(S + s0 * lds, lds, ns, V + s0 * ldv, ldv, Ev, <floating *>w.O, p.ldo,
                  <const floating *>w.alpha, rows, exact)
             if s0 < n2:
-                fa_prefetch(V + (j0 + n + s0) * Ev, min(ns, n2 - s0) * Ev * sizeof(floating))
+                prefetch_keys(p, dummy, b, hk, j0 + n + s0, min(ns, n2 - s0), True)
             s0 += ns
             if s0 < n:
                 for i in range(p.Wcap):
@@ -305,12 +389,13 @@ cdef void fwd_item(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t it, ptrdi
     for r in range(rows):
         set_lane(p, w, dummy, r, b, h, i0 + r)
     start_rows(p, w, dummy, rows, W, pw, False)
-    cdef int64_t pmin = i0 + p.q_offset, pmax = i0 + rows - 1 + p.q_offset
+    cdef int64_t qo = seq_q_offset(p, b), nk = seq_keys(p, b)
+    cdef int64_t pmin = i0 + qo, pmax = i0 + rows - 1 + qo
     cdef int64_t jlo = pmin - p.wl, jhi = pmax + p.wr + 1
     if jlo < 0:
         jlo = 0
-    if jhi > p.S:
-        jhi = p.S
+    if jhi > nk:
+        jhi = nk
     if jlo < jhi:
         attend_rows(p, w, dummy, b, hk, jlo, jhi, pmin, pmax, p.msi == 0)
     finish_rows(p, w, dummy)

@@ -53,6 +53,14 @@ ctypedef struct AttnProblem:
     uint32_t seed, thresh
     uint32_t drop_bh0, drop_bh_stride, drop_row0, drop_col0   # hash coordinates of (b, h, i, j)
     double keep_scale                # 1 / (1 - dropout_p)
+    # K/V as stored (KernelArgs k_strides ... page_size): key j of kv head hk of sequence b is
+    # at k + krow + hk * ksh, krow from kv_segment (a contiguous (B, Hkv, S, E) k has strides
+    # (Hkv*S*E, S*E, E), so the flash layout (B, S_max, Hkv, E) is read in place)
+    int64_t ksb, ksh, kss            # element strides of k: batch (page when paged), head, key
+    int64_t vsb, vsh, vss
+    const int32_t *seqlens           # (B,) keys of each sequence, or NULL: S each
+    const int32_t *block_table       # (B, bt_ld) pages of each sequence, or NULL: not paged
+    int64_t bt_ld, page_size
     int n_threads
     Tune tune
     # set by the kernel family before its loop
@@ -61,6 +69,33 @@ ctypedef struct AttnProblem:
                                      # K/V from DRAM once; forward re-reads them from L2)
     ptrdiff_t Wcap                   # lane capacity of the scratch (query rows per item + slack)
     ptrdiff_t lds, ldo               # row strides of S and of the accumulator O
+
+
+cdef inline int64_t seq_keys(AttnProblem *p, ptrdiff_t b) noexcept nogil:
+    """The keys sequence b attends: seqlens[b], or all S."""
+    return p.seqlens[b] if p.seqlens != NULL else p.S
+
+
+cdef inline int64_t seq_q_offset(AttnProblem *p, ptrdiff_t b) noexcept nogil:
+    """Key position of query row 0 of sequence b: the band of S keys ends where sequence b
+    ends (q_offset = S - L, bottom-right, gives seqlens[b] - L)."""
+    return p.q_offset + p.seqlens[b] - p.S if p.seqlens != NULL else p.q_offset
+
+
+cdef inline int64_t kv_segment(AttnProblem *p, ptrdiff_t b, int64_t j, int64_t *krow,
+                               int64_t *vrow) noexcept nogil:
+    """Element offsets in k and v of key j of sequence b (kv head 0), and the end of the run
+    of keys from j that is stored at one row stride: the end of j's page, or S."""
+    cdef int64_t pg, r
+    if p.block_table == NULL:
+        krow[0] = b * p.ksb + j * p.kss
+        vrow[0] = b * p.vsb + j * p.vss
+        return p.S
+    r = j % p.page_size
+    pg = p.block_table[b * p.bt_ld + j // p.page_size]
+    krow[0] = pg * p.ksb + r * p.kss
+    vrow[0] = pg * p.vsb + r * p.vss
+    return j - r + p.page_size
 
 
 cdef inline uint32_t drop_row_key(AttnProblem *p, ptrdiff_t b, ptrdiff_t h,
@@ -213,6 +248,63 @@ cdef inline uint32_t record_uint32(object x, str name) except? 0xFFFFFFFF:
     return <uint32_t>int(x)
 
 
+cdef int kv_strides(Py_ssize_t *shape, object want, Py_ssize_t *strides, Py_ssize_t item,
+                    int64_t *dst, str name) except -1:
+    """dst[0:3] = the record's element strides of k or v (batch/page, head, key), checked
+    against the array's own along every axis longer than 1 (a wrong one would read out of
+    bounds).  In C, without tuples: this runs on every call."""
+    cdef int d
+    if len(want) != 3:
+        raise ValueError(f"attention kernel: {name}_strides must be 3 ints, got {want}")
+    dst[0], dst[1], dst[2] = want
+    for d in range(3):
+        if shape[d] > 1 and dst[d] * item != strides[d]:
+            raise ValueError(f"attention kernel: {name} strides {tuple(want)} (elements) do not "
+                             f"match the {name} array (shape {shape4(shape)}, byte strides "
+                             f"{shape4(strides)})")
+    return 0
+
+
+cdef int fill_kv_layout(AttnProblem *p, object a, ptrdiff_t n_pages) except -1:
+    """seqlens and the block table, checked: every length in [0, S], every page a sequence
+    uses in [0, n_pages)."""
+    cdef const int32_t[::1] sl
+    cdef const int32_t[:, ::1] bt
+    cdef ptrdiff_t b, i, n
+    p.seqlens = NULL
+    p.block_table = NULL
+    if a.has_seqlens:
+        sl = a.seqlens
+        if sl.shape[0] != p.B:
+            raise ValueError(f"attention kernel: seqlens shape ({sl.shape[0]},), expected "
+                             f"({p.B},)")
+        for b in range(p.B):
+            if sl[b] < 0 or sl[b] > p.S:
+                raise ValueError(f"attention kernel: seqlens[{b}] = {sl[b]} outside [0, "
+                                 f"{p.S}]")
+        p.seqlens = &sl[0] if p.B else NULL
+    if p.page_size:
+        bt = a.block_table
+        for b in range(p.B):
+            n = (seq_keys(p, b) + p.page_size - 1) // p.page_size
+            for i in range(n):
+                if bt[b, i] < 0 or bt[b, i] >= n_pages:
+                    raise ValueError(f"attention kernel: block_table[{b}, {i}] = {bt[b, i]} "
+                                     f"is not a page in [0, {n_pages})")
+        p.block_table = &bt[0, 0] if bt.shape[0] * bt.shape[1] else NULL
+    return 0
+
+
+cdef int require_dense_kv(AttnProblem *p, str kernel) except -1:
+    """For a kernel family that reads K/V only as (B, Hkv, S, E), C-contiguous, S keys each."""
+    if (p.seqlens != NULL or p.page_size or p.ksb != p.Hkv * p.S * p.E or p.ksh != p.S * p.E
+            or p.kss != p.E or p.vsb != p.Hkv * p.S * p.Ev or p.vsh != p.S * p.Ev
+            or p.vss != p.Ev):
+        raise ValueError(f"attention kernel: {kernel} does not read a KV cache in place "
+                         "(strided k/v, seqlens or a block table)")
+    return 0
+
+
 cdef int fill_problem(AttnProblem *p, object a, floating *dummy, Py_ssize_t *outs,
                       Py_ssize_t *lses) except -1:
     """Check the record (make_problem guarantees it; this is the safety net against a
@@ -225,13 +317,32 @@ cdef int fill_problem(AttnProblem *p, object a, floating *dummy, Py_ssize_t *out
     cdef int d
     cdef ArrView q, k, v, m
     view_array(a.q, &q, 4, &code, False, True, "q")
-    view_array(a.k, &k, 4, &code, False, True, "k")
-    view_array(a.v, &v, 4, &code, False, True, "v")
+    # k/v: any strides but a contiguous last axis (a KV cache read in place; checked below)
+    view_array(a.k, &k, 4, &code, False, False, "k")
+    view_array(a.v, &v, 4, &code, False, False, "v")
     cdef ptrdiff_t B = q.shape[0], Hq = q.shape[1], L = q.shape[2], E = q.shape[3]
     cdef ptrdiff_t Hkv = k.shape[1], S = k.shape[2], Ev = v.shape[3]
-    if k.shape[0] != B or v.shape[0] != B or v.shape[1] != Hkv or v.shape[2] != S or k.shape[3] != E:
+    # paged: k/v are (num_pages, Hkv, page_size, E) and S = max_pages * page_size
+    cdef bint paged = a.has_block_table
+    cdef ptrdiff_t page_size = a.page_size if paged else 0
+    cdef tuple bts = (a.block_table.shape[0], a.block_table.shape[1]) if paged else (0, 0)
+    if (v.shape[0] != k.shape[0] or v.shape[1] != Hkv or v.shape[2] != S or k.shape[3] != E
+            or (k.shape[2] != page_size or bts[0] != B if paged else k.shape[0] != B)):
         raise ValueError(f"attention kernel: q {shape4(q.shape)}, k {shape4(k.shape)}, "
-                         f"v {shape4(v.shape)} do not agree")
+                         f"v {shape4(v.shape)}"
+                         + (f", block_table {bts}, page_size {page_size}" if paged else "")
+                         + " do not agree")
+    if paged and page_size <= 0:
+        raise ValueError(f"attention kernel: page_size {page_size} must be > 0")
+    if paged:
+        S = bts[1] * page_size
+    if E > 1 and k.strides[3] != item or Ev > 1 and v.strides[3] != item:
+        raise ValueError(f"attention kernel: the last axis of k and v must be contiguous, got "
+                         f"byte strides {shape4(k.strides)} and {shape4(v.strides)}")
+    cdef int64_t kst[3]
+    cdef int64_t vst[3]
+    kv_strides(k.shape, a.k_strides, k.strides, item, kst, "k")
+    kv_strides(v.shape, a.v_strides, v.strides, item, vst, "v")
     if Hkv == 0 and Hq != 0 or Hkv != 0 and Hq % Hkv != 0:
         raise ValueError(f"attention kernel: Hq={Hq} is not a multiple of Hkv={Hkv}")
     if (outs[0] != B or outs[1] != Hq or outs[2] != L or outs[3] != Ev
@@ -320,6 +431,13 @@ cdef int fill_problem(AttnProblem *p, object a, floating *dummy, Py_ssize_t *out
     p.thresh = <uint32_t>min(<double>(dropout_p * 4294967296.0), 4294967295.0)
     p.keep_scale = 1.0 / (1.0 - dropout_p)
     p.n_threads = a.n_threads
+    p.ksb, p.ksh, p.kss = kst[0], kst[1], kst[2]
+    p.vsb, p.vsh, p.vss = vst[0], vst[1], vst[2]
+    p.page_size = page_size
+    p.bt_ld = bts[1]
+    p.seqlens = p.block_table = NULL
+    if a.has_seqlens or paged:
+        fill_kv_layout(p, a, k.shape[0])
     # size-0 arrays have no element 0: NULL (never read)
     p.q = <const char *>q.data
     p.k = <const char *>k.data

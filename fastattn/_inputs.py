@@ -284,6 +284,20 @@ class Problem:
     # the whole problem, and the kernels use P = exp(s - lse) and D as given (FlashAttention-2's
     # form), so the gradients are this part's share (dq summed over the parts is the whole dq).
     delta: np.ndarray | None = None
+    # A KV cache read in place (fastattn.attention_with_kvcache builds these; None = off, the
+    # usual dense problem). Backends that do not read one list it in unsupported_options.
+    # kv_strides: ((b, h, s) of k, (b, h, s) of v), element strides of k and v, which are then
+    #   strided views (last axis contiguous) instead of C-contiguous arrays: a cache stored
+    #   (B, S_max, Hkv, E) is k = cache.transpose(0, 2, 1, 3), read without a copy.
+    kv_strides: tuple | None = None
+    # seqlens: (B,) int32. Sequence b attends only its first seqlens[b] keys, and its query
+    #   row i sits at key position i + band.q_offset + seqlens[b] - S (the band of a sequence of
+    #   S keys moved to end where sequence b ends: bottom-right causal per sequence).
+    seqlens: np.ndarray | None = None
+    # block_table: (B, max_pages) int32, a paged cache. k/v are then the pages viewed as
+    #   (num_pages, Hkv, page_size, E): key j of sequence b is row j % page_size of page
+    #   block_table[b, j // page_size], and S = max_pages * page_size.
+    block_table: np.ndarray | None = None
     # how to give results back
     in_dtype: np.dtype = field(default_factory=lambda: np.dtype(np.float32))
     out_shape: tuple = ()
@@ -294,9 +308,15 @@ class Problem:
         return self.q.dtype
 
     @property
+    def n_keys(self) -> int:
+        """S: the keys of a sequence (max_pages * page_size for a paged cache)."""
+        bt = self.block_table
+        return self.k.shape[2] if bt is None else bt.shape[1] * self.k.shape[2]
+
+    @property
     def shape(self) -> dict:
         B, Hq, L, E = self.q.shape
-        return dict(B=B, Hq=Hq, Hkv=self.k.shape[1], L=L, S=self.k.shape[2], E=E, Ev=self.v.shape[3])
+        return dict(B=B, Hq=Hq, Hkv=self.k.shape[1], L=L, S=self.n_keys, E=E, Ev=self.v.shape[3])
 
     @property
     def group(self) -> int:
@@ -304,7 +324,7 @@ class Problem:
 
     @property
     def is_empty(self) -> bool:
-        return self.q.size == 0 or self.v.shape[3] == 0 or self.k.shape[2] == 0
+        return self.q.size == 0 or self.v.shape[3] == 0 or self.n_keys == 0
 
 
 def _canonical(x: np.ndarray, batch: int, dtype: np.dtype) -> np.ndarray:
@@ -533,4 +553,46 @@ def make_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
         problem.alibi = check_alibi(alibi_slopes, batch_shape, Hq, B, cdt, fn)
     if sinks is not None:
         problem.sinks = check_sinks(sinks, Hq, cdt, fn)
+    return problem
+
+
+def _element_strides(x: np.ndarray, name: str, fn: str) -> tuple:
+    """Element strides of the first three axes of a 4-D view whose last axis is contiguous."""
+    item = x.itemsize
+    if x.shape[3] > 1 and x.strides[3] != item:
+        raise ValueError(f"{fn}: {name}'s last axis (head_dim) must be contiguous, got byte "
+                         f"strides {x.strides}")
+    if any(st % item for st in x.strides[:3]):
+        raise ValueError(f"{fn}: {name}'s byte strides {x.strides} are not whole elements")
+    return tuple(st // item for st in x.strides[:3])
+
+
+def make_cache_problem(q, k, v, *, seqlens, block_table=None, is_causal=True, window=None,
+                       softcap=None, alibi_slopes=None, sinks=None, scale=None,
+                       fn="attention_with_kvcache") -> Problem:
+    """The Problem of a ragged batch attending a KV cache read in place.
+
+    q (B, Hq, L, E) in the cache's dtype (float32/float64, any strides: it is small and
+    copied); k, v (Bk, Hkv, Sk, E / Ev) views of the cache with the head_dim axis contiguous
+    (Bk = B rows, or the pages of a paged cache with Sk = page_size); seqlens (B,) int32 with
+    0 <= seqlens[b] <= S; block_table (B, max_pages) int32 or None. The caller (inference.py)
+    has checked the cache's shapes, lengths and pages; this checks the score options as
+    make_problem does and builds the band bottom-right (per sequence through seqlens).
+    """
+    dtype = q.dtype
+    B, Hq, L, E = q.shape
+    S = k.shape[2] if block_table is None else block_table.shape[1] * k.shape[2]
+    kv_strides = (_element_strides(k, "k_cache", fn), _element_strides(v, "v_cache", fn))
+    problem = Problem(
+        q=np.ascontiguousarray(q), k=k, v=v,
+        scale=check_scale(scale, E, fn, dtype),
+        band=make_band(L, S, bool(is_causal), "bottom_right", check_window(window, fn)),
+        softcap=check_softcap(softcap, fn, dtype),
+        in_dtype=dtype, out_shape=(B, Hq, L, v.shape[3]), lse_shape=(B, Hq, L),
+        kv_strides=kv_strides, seqlens=np.ascontiguousarray(seqlens, np.int32),
+        block_table=None if block_table is None else np.ascontiguousarray(block_table, np.int32))
+    if alibi_slopes is not None:
+        problem.alibi = check_alibi(alibi_slopes, (B,), Hq, B, dtype, fn)
+    if sinks is not None:
+        problem.sinks = check_sinks(sinks, Hq, dtype, fn)
     return problem

@@ -6,13 +6,15 @@ paged `(num_pages, page_size, Hkv, E)` with a `block_table`, packed `(total, H, 
 `cu_seqlens`. (`scaled_dot_product_attention` keeps torch's heads-before-sequence layout.)
 
 Every argument is checked before anything is written, so a rejected call leaves the cache
-byte-for-byte as it was. Each sequence is computed by `scaled_dot_product_attention` over its
-own keys only (causal bottom-right, as flash-attn does for these functions): a ragged batch
-costs the sum of its sequences, not batch x longest.
+byte-for-byte as it was. Each sequence attends its own keys only (causal bottom-right, as
+flash-attn does for these functions): a ragged batch costs the sum of its sequences, not
+batch x longest.
 
-What is not done yet (see the issue tracker): the kernels read the flash-attn layout through a
-copy of each sequence's keys (`(S, Hkv, E)` -> `(Hkv, S, E)`; for a paged cache, a gather of its
-pages) instead of in place, and sequences of different lengths are separate kernel calls.
+`attention_with_kvcache` is one kernel call for the whole batch that reads the cache where it
+is (the kernel record's k/v strides, per-sequence key counts and page table: docs/KERNELS.md)
+when the backend it runs on reads them (cython; numpy, for reference). Otherwise (numba, a
+float16 cache) each sequence's keys are copied into (Hkv, S, E) (a paged cache gathered) and
+run through `scaled_dot_product_attention`. `varlen_attention` runs sequence by sequence.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import numbers
 
 import numpy as np
 
-from ._inputs import as_float_array, check_same_dtype, describe
+from . import _backends
+from ._inputs import as_float_array, check_same_dtype, describe, for_kernels, make_cache_problem
 from .api import scaled_dot_product_attention, scaled_dot_product_attention_backward
 
 __all__ = ["attention_with_kvcache", "varlen_attention", "varlen_attention_backward"]
@@ -110,6 +113,33 @@ def _alibi_row(alibi_slopes, b: int, B: int, Hq: int, fn: str):
         return a[b]
     raise ValueError(f"{fn}: alibi_slopes must have shape (Hq,) = ({Hq},) or (batch, Hq) = "
                      f"({B}, {Hq}), got {a.shape}")
+
+
+def _in_place_layout(cache: np.ndarray) -> bool:
+    """The kernels can read this cache where it is: float32/float64 in the machine's byte
+    order, head_dim contiguous, whole-element strides."""
+    item = cache.itemsize
+    return (cache.dtype in (np.float32, np.float64) and cache.dtype.isnative
+            and (cache.shape[3] <= 1 or cache.strides[3] == item)
+            and all(st % item == 0 for st in cache.strides))
+
+
+def _in_place_backend(problem, backend):
+    """The backend that reads `problem` (a cache in place), or None: then the cache is read
+    through copies, sequence by sequence, by the backend the call would use (auto's first
+    available backend, or the one named, when that one does not read a cache in place)."""
+    name = _backends.get_backend() if backend is None else backend
+    if not isinstance(name, str) or name.strip().lower() != "auto":
+        try:
+            return _backends.resolve(problem, "forward", backend)
+        except _backends.BackendUnavailableError:
+            return None                  # the copies path raises it, if that cannot run either
+    _backends.resolve(problem, "forward", "auto")        # FASTATTN_REQUIRE is checked here
+    for cand in _backends.auto_order(problem, "forward"):
+        be = _backends.registry[cand]
+        if be.available:
+            return None if be.not_supported_reasons(problem, "forward") else be
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,11 +261,29 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         if need > rot[0].shape[0]:
             raise ValueError(f"{fn}: rotary_cos/rotary_sin have {rot[0].shape[0]} positions, the "
                              f"call needs {need}")
-    # every option of the attention itself is checked by scaled_dot_product_attention: run the
-    # first sequence's checks on an empty problem now, so a bad option is rejected before writing
+    # Every option of the attention itself is checked before anything is written: by building
+    # the problem that reads the cache in place, or (when no backend reads it there) by running
+    # the first sequence's checks on an empty problem.
     opts = _sequence_options(is_causal, window, softcap, sinks, scale, Hq != Hkv, backend)
-    scaled_dot_product_attention(q[:0, :0].transpose(0, 2, 1, 3), k_cache[:0, :0].transpose(0, 2, 1, 3),
-                                 v_cache[:0, :0].transpose(0, 2, 1, 3), **opts)
+    in_place = None
+    if _in_place_layout(k_cache) and _in_place_layout(v_cache) and B * Lq * Hq * E * Ev:
+        if paged:
+            kv_rows, table = slice(None), block_table
+        elif cache_batch_idx is not None:
+            # cache row rows[b] serves sequence b: a paged cache of one page per sequence
+            kv_rows, table = slice(None), rows.astype(np.int32).reshape(B, 1)
+        else:
+            kv_rows, table = slice(0, B), None
+        tr = (0, 2, 1, 3)
+        problem = make_cache_problem(
+            q.transpose(tr), k_cache[kv_rows].transpose(tr), v_cache[kv_rows].transpose(tr),
+            seqlens=total, block_table=table, is_causal=is_causal, window=window,
+            softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, scale=scale, fn=fn)
+        in_place = _in_place_backend(problem, backend)
+    if in_place is None:
+        scaled_dot_product_attention(q[:0, :0].transpose(0, 2, 1, 3),
+                                     k_cache[:0, :0].transpose(0, 2, 1, 3),
+                                     v_cache[:0, :0].transpose(0, 2, 1, 3), **opts)
     alibis = [_alibi_row(alibi_slopes, b, B, Hq, fn) for b in range(B)]
 
     # ---- write the new tokens (nothing was written before this point) ----
@@ -253,8 +301,20 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                 k_cache[rows[b], pos] = kb
                 v_cache[rows[b], pos] = v[b]
 
-    # ---- attend: one call when every sequence has the same length in a contiguous cache
-    # and no rotary query positions differ, else sequence by sequence ----
+    # ---- attend: one kernel call reading the cache where it is, when the backend can ----
+    if in_place is not None:
+        if rot is not None:
+            qpos = lens[:, None] + (np.arange(Lq)[None, :] if banded else 0)
+            qpos = np.broadcast_to(qpos, (B, Lq))
+            qr = _rotate(q.reshape(B * Lq, Hq, E), qpos.reshape(-1), *rot, rotary_interleaved)
+            problem.q = np.ascontiguousarray(qr.reshape(B, Lq, Hq, E).transpose(0, 2, 1, 3))
+        problem = for_kernels(problem)[0]        # scale <= 0 rewritten, same scores
+        out, lse = in_place.forward(problem)
+        out = out.transpose(0, 2, 1, 3)
+        return (out, lse) if return_lse else out
+    # ---- else through scaled_dot_product_attention: one call when every sequence has the same
+    # length in a contiguous cache and no rotary query positions differ, else sequence by
+    # sequence ----
     if (not paged and B > 1 and np.all(total == total[0]) and rot is None
             and (alibi_slopes is None or np.shape(alibi_slopes) == (Hq,))):
         n = int(total[0])

@@ -9,8 +9,10 @@ import fastattn as fa
 from fastattn import reference
 
 
-def dense(q, k, v, *, causal=True, scale=None, window=None, softcap=None):
-    """q (Lq, Hq, E) against k (n, Hkv, E), v (n, Hkv, Ev), bottom-right causal; float64."""
+def dense(q, k, v, *, causal=True, scale=None, window=None, softcap=None, alibi=None,
+          sinks=None):
+    """q (Lq, Hq, E) against k (n, Hkv, E), v (n, Hkv, Ev), bottom-right causal; float64.
+    alibi (Hq,) slopes, sinks (Hq,) logits (one more denominator term per row)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     Lq, Hq, E = q.shape
     n, Hkv = k.shape[:2]
@@ -23,6 +25,8 @@ def dense(q, k, v, *, causal=True, scale=None, window=None, softcap=None):
         s = softcap * np.tanh(s / softcap)
     pos = np.arange(Lq)[:, None] + n - Lq
     j = np.arange(n)[None, :]
+    if alibi is not None:
+        s = s - np.asarray(alibi, np.float64)[:, None, None] * np.abs(pos - j)[None]
     keep = np.ones((Lq, n), bool)
     if causal:
         keep &= j <= pos
@@ -33,6 +37,11 @@ def dense(q, k, v, *, causal=True, scale=None, window=None, softcap=None):
         if right is not None and right >= 0:
             keep &= j <= pos + right
     s = np.where(keep, s, -np.inf)
+    if sinks is not None:                       # the sink: a score column with value 0
+        col = np.broadcast_to(np.asarray(sinks, np.float64)[:, None, None], (Hq, Lq, 1))
+        s = np.concatenate([s, col], axis=-1)
+        vv = np.concatenate([vv, np.zeros((1,) + vv.shape[1:])], axis=0)
+        n += 1
     m = s.max(-1, keepdims=True) if n else np.zeros((Hq, Lq, 1))
     m = np.where(np.isfinite(m), m, 0)
     e = np.exp(s - m)
@@ -197,7 +206,7 @@ def _bad_calls(q, kc, vc, k, v, lens):
     ]
 
 
-def test_rejected_calls_write_nothing(rng):
+def test_rejected_calls_write_nothing(backend, rng):
     q, kc, vc, k, v, lens = _case(rng, S_max=32)
     for what, override, exc in _bad_calls(q, kc, vc, k, v, lens):
         kw = dict(k_cache=kc, v_cache=vc, k=k, v=v)
@@ -208,10 +217,219 @@ def test_rejected_calls_write_nothing(rng):
         saved_k, saved_v = kc.tobytes(), vc.tobytes()
         with pytest.raises(exc) as info:
             fa.attention_with_kvcache(q, kw.pop("k_cache"), kw.pop("v_cache"), kw.pop("k"),
-                                      kw.pop("v"), **kw)
+                                      kw.pop("v"), backend=backend, **kw)
         assert kc.tobytes() == saved_k and vc.tobytes() == saved_v, what
         named = what.split()[0]
         assert named in str(info.value) or what in str(info.value), (what, str(info.value))
+
+
+# ----------------------------------------------------------------------------------------------
+# one kernel call for the whole batch, reading the cache where it is
+# ----------------------------------------------------------------------------------------------
+def _store(rng, kc, vc, layout, page=None):
+    """The same sequences (kc/vc (B, S_max, Hkv, E)) stored as `layout`: "contiguous" as given;
+    "rows": rows of a larger cache, picked by cache_batch_idx; "paged": pages of `page` tokens
+    shuffled in a pool with spare pages of noise. Returns (k_cache, v_cache, keywords)."""
+    B, S_max = kc.shape[:2]
+    if layout == "contiguous":
+        return kc, vc, {}
+    if layout == "rows":
+        rows = rng.permutation(B + 2)[:B].astype(np.int32)
+        kr = rng.standard_normal((B + 2,) + kc.shape[1:]).astype(kc.dtype)
+        vr = rng.standard_normal((B + 2,) + vc.shape[1:]).astype(vc.dtype)
+        kr[rows], vr[rows] = kc, vc
+        return kr, vr, dict(cache_batch_idx=rows)
+    per_seq = -(-S_max // page)
+    pool = B * per_seq + 3
+    table = rng.permutation(pool)[:B * per_seq].astype(np.int32).reshape(B, per_seq)
+    kp = rng.standard_normal((pool, page) + kc.shape[2:]).astype(kc.dtype)
+    vp = rng.standard_normal((pool, page) + vc.shape[2:]).astype(vc.dtype)
+    for b in range(B):
+        for i in range(per_seq):
+            part = slice(i * page, min(S_max, (i + 1) * page))
+            kp[table[b, i], :part.stop - part.start] = kc[b, part]
+            vp[table[b, i], :part.stop - part.start] = vc[b, part]
+    return kp, vp, dict(block_table=table)
+
+
+def _random_options(rng, B, Hq, Lnew):
+    opts = {}
+    if rng.random() < 0.3:
+        opts["window"] = (int(rng.integers(0, 40)), -1)
+    if rng.random() < 0.3:
+        opts["softcap"] = float(rng.uniform(1, 5))
+    if rng.random() < 0.3:
+        opts["alibi_slopes"] = rng.uniform(0, 0.3, (Hq,) if rng.random() < 0.5 else (B, Hq))
+    if rng.random() < 0.3:
+        opts["sinks"] = rng.standard_normal(Hq)
+    if rng.random() < 0.3:
+        opts["scale"] = float(rng.choice([0.05, -0.2, 0.3]))
+    if Lnew == 0 and rng.random() < 0.3:
+        opts["is_causal"] = False
+    return opts
+
+
+def _dense_batch(q, kc, vc, lens_total, opts):
+    """The dense float64 reference, sequence by sequence, for what attention_with_kvcache got."""
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        n = int(lens_total[b])
+        al = opts.get("alibi_slopes")
+        if al is not None and al.ndim == 2:
+            al = al[b]
+        o, l = dense(q[b], kc[b, :n], vc[b, :n], causal=opts.get("is_causal", True),
+                     scale=opts.get("scale"), window=opts.get("window"),
+                     softcap=opts.get("softcap"), alibi=al, sinks=opts.get("sinks"))
+        outs.append(o)
+        lses.append(l)
+    return np.stack(outs), np.stack(lses)
+
+
+@pytest.mark.parametrize("layout,page", [("contiguous", None), ("rows", None), ("paged", 5),
+                                         ("paged", 16), ("paged", 64)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_ragged_batches_in_every_layout_match_the_dense_reference(backend, rng, layout, page,
+                                                                   dtype):
+    """Random ragged batches (empty sequences, new tokens or none, decode and prefill query
+    lengths, GQA and MHA, every score option) against the dense float64 reference."""
+    for trial in range(6):
+        B = int(rng.integers(1, 5))
+        Hkv = int(rng.choice([1, 2]))
+        Hq = Hkv * int(rng.choice([1, 3, 4]))
+        E, Ev = int(rng.choice([16, 40])), int(rng.choice([16, 24]))
+        S_max = int(rng.integers(40, 300))
+        Lnew = int(rng.choice([0, 1, 3]))
+        Lq = Lnew if Lnew else int(rng.choice([1, 2, 20]))
+        lens = rng.integers(0, S_max - Lnew + 1, size=B).astype(np.int32)
+        kc = rng.standard_normal((B, S_max, Hkv, E)).astype(dtype)
+        vc = rng.standard_normal((B, S_max, Hkv, Ev)).astype(dtype)
+        q = rng.standard_normal((B, Lq, Hq, E)).astype(dtype)
+        k = rng.standard_normal((B, Lnew, Hkv, E)).astype(dtype) if Lnew else None
+        v = rng.standard_normal((B, Lnew, Hkv, Ev)).astype(dtype) if Lnew else None
+        opts = _random_options(rng, B, Hq, Lnew)
+        kcs, vcs, where = _store(rng, kc, vc, layout, page)
+        out, lse = fa.attention_with_kvcache(q, kcs, vcs, k, v, cache_seqlens=lens,
+                                             return_lse=True, backend=backend, **where, **opts)
+        if Lnew:                                   # what the cache holds now, as sequences
+            for b in range(B):
+                kc[b, lens[b]:lens[b] + Lnew], vc[b, lens[b]:lens[b] + Lnew] = k[b], v[b]
+        want_out, want_lse = _dense_batch(q, kc, vc, lens + Lnew, opts)
+        t = tol(dtype)
+        what = (trial, B, Hq, Hkv, Lq, Lnew, lens.tolist(), sorted(opts))
+        np.testing.assert_allclose(out, want_out, rtol=t, atol=t, err_msg=str(what))
+        np.testing.assert_allclose(lse, want_lse,
+                                   rtol=t, atol=t, err_msg=str(what))
+
+
+@pytest.mark.parametrize("Hq", [2, 8])
+@pytest.mark.parametrize("layout,page", [("contiguous", None), ("paged", 256), ("paged", 100)])
+def test_long_ragged_decode_matches_the_dense_reference(backend, rng, Hq, layout, page):
+    """Decode (one new token) over long sequences of different lengths: keys split across
+    threads (flash-decoding), MHA (Hq = Hkv, its own float32 kernel) and GQA, pages that cut
+    the kernels' key blocks."""
+    B, Hkv, E, S_max = 3, 2, 64, 5200
+    lens = np.array([5100, 1200, 0], np.int32)
+    kc = rng.standard_normal((B, S_max, Hkv, E)).astype(np.float32)
+    vc = rng.standard_normal((B, S_max, Hkv, E)).astype(np.float32)
+    q = rng.standard_normal((B, 1, Hq, E)).astype(np.float32)
+    k = rng.standard_normal((B, 1, Hkv, E)).astype(np.float32)
+    v = rng.standard_normal((B, 1, Hkv, E)).astype(np.float32)
+    kcs, vcs, where = _store(rng, kc, vc, layout, page)
+    out, lse = fa.attention_with_kvcache(q, kcs, vcs, k, v, cache_seqlens=lens, return_lse=True,
+                                         backend=backend, **where)
+    for b in range(B):
+        kc[b, lens[b]], vc[b, lens[b]] = k[b, 0], v[b, 0]
+    want_out, want_lse = _dense_batch(q, kc, vc, lens + 1, {})
+    np.testing.assert_allclose(out, want_out, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(lse, want_lse, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("page", [7, 100, 256])
+@pytest.mark.parametrize("Lq", [1, 4, 24])
+def test_paged_gives_the_bits_of_contiguous(backend, rng, page, Lq):
+    """GQA decode and prefill: a paged cache gives the same bits as the same cache stored
+    contiguously (blocks that straddle pages are gathered, so the sums are the same)."""
+    B, Hq, Hkv, E, S_max = 2, 8, 2, 32, 700
+    lens = np.array([690 - Lq, 300], np.int32)
+    kc = rng.standard_normal((B, S_max, Hkv, E)).astype(np.float32)
+    vc = rng.standard_normal((B, S_max, Hkv, E)).astype(np.float32)
+    q = rng.standard_normal((B, Lq, Hq, E)).astype(np.float32)
+    kp, vp, where = _store(rng, kc, vc, "paged", page)
+    S_cap = where["block_table"].shape[1] * page
+    kc2 = np.zeros((B, S_cap, Hkv, E), np.float32)     # the same capacity: the same key chunks
+    vc2 = np.zeros((B, S_cap, Hkv, E), np.float32)
+    kc2[:, :S_max], vc2[:, :S_max] = kc, vc
+    want = fa.attention_with_kvcache(q, kc2, vc2, cache_seqlens=lens, backend=backend,
+                                     softcap=4.0, window=(500, -1))
+    got = fa.attention_with_kvcache(q, kp, vp, cache_seqlens=lens, backend=backend,
+                                    softcap=4.0, window=(500, -1), **where)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_one_kernel_call_reads_the_cache_in_place(backend, rng, monkeypatch):
+    """cython and numpy get the whole batch in one call whose k/v are the caller's cache
+    (strided views of it, no copy); numba (which does not read a cache in place yet) gets each
+    sequence through scaled_dot_product_attention."""
+    from fastattn import inference
+    from fastattn._backends import registry
+    q, kc, vc, k, v, lens = _case(rng, B=3, S_max=64, Lnew=1)
+    be = registry[backend]
+    seen = []
+    real_forward = be.forward
+    monkeypatch.setattr(be, "forward", lambda p: seen.append(p) or real_forward(p))
+    sdpa_calls = []
+    real_sdpa = inference.scaled_dot_product_attention
+    monkeypatch.setattr(inference, "scaled_dot_product_attention",
+                        lambda *a, **kw: sdpa_calls.append(1) or real_sdpa(*a, **kw))
+    for where in ({}, dict(block_table=np.arange(12, dtype=np.int32).reshape(3, 4))):
+        seen.clear()
+        sdpa_calls.clear()
+        kcs = kc.reshape(12, 16, *kc.shape[2:]) if where else kc
+        vcs = vc.reshape(12, 16, *vc.shape[2:]) if where else vc
+        fa.attention_with_kvcache(q, kcs, vcs, k, v, cache_seqlens=lens, backend=backend,
+                                  **where)
+        if backend == "numba":
+            assert sdpa_calls and all(p.kv_strides is None for p in seen)
+            continue
+        assert len(seen) == 1 and not sdpa_calls
+        p = seen[0]
+        assert np.shares_memory(p.k, kcs) and np.shares_memory(p.v, vcs)
+        assert p.kv_strides is not None and p.seqlens.tolist() == (lens + 1).tolist()
+        assert (p.block_table is None) == (not where)
+
+
+def test_kernel_record_checks_the_cache_layout(rng):
+    """The Cython entry refuses a record whose seqlens, pages or strides would read outside
+    the arrays (ValueError, not a crash); its backward refuses a cache read in place, and the
+    dispatcher does not send it one."""
+    K = pytest.importorskip("fastattn._cykernels")
+    from fastattn._backends import registry
+    from fastattn._backends._kernel_args import forward_outputs, kernel_args
+    from fastattn._inputs import make_cache_problem
+    kc = rng.standard_normal((6, 8, 2, 16)).astype(np.float32)     # 6 pages of 8
+    q = rng.standard_normal((2, 4, 1, 16)).astype(np.float32)
+    table = np.array([[0, 1, 2], [3, 4, 5]], np.int32)
+    p = make_cache_problem(q, kc.transpose(0, 2, 1, 3), kc.transpose(0, 2, 1, 3),
+                           seqlens=np.array([20, 9], np.int32), block_table=table)
+    out, lse = forward_outputs(p)
+    a = kernel_args(p, 1)
+    K.decode(a, out, lse)                                           # the record as built: fine
+    bad = [(dict(seqlens=np.array([25, 9], np.int32)), "seqlens"),
+           (dict(block_table=np.array([[0, 1, 9], [3, 4, 5]], np.int32)), "block_table"),
+           (dict(k_strides=(256, 16, 16)), "strides"),
+           (dict(page_size=4), "agree")]
+    for change, words in bad:
+        with pytest.raises(ValueError, match=words):
+            K.decode(a._replace(**change), out, lse)
+    # pages past a sequence's end are never read, so they are not checked
+    K.decode(a._replace(block_table=np.array([[0, 1, 2], [3, 4, -7]], np.int32)), out, lse)
+    dq = np.zeros_like(p.q)
+    dk = np.zeros((6, 2, 8, 16), np.float32)
+    with pytest.raises(ValueError, match="in place"):
+        K.backward(a, out, out, lse, dq, dk, dk.copy(), np.zeros(1, np.float32))
+    assert registry["cython"].not_supported_reasons(p, "forward") == []
+    assert registry["cython"].not_supported_reasons(p, "backward")
+    assert len(registry["numba"].not_supported_reasons(p, "forward")) >= 3
 
 
 # ----------------------------------------------------------------------------------------------

@@ -28,6 +28,8 @@ class CompiledBackend(Backend):
     ops = ("forward", "backward", "softmax")
     # options the backend's kernels do not implement yet: {Problem attribute: reason}
     unsupported_options: dict = {}
+    # the same for the backward kernel only (its forward and decode read them)
+    unsupported_backward_options: dict = {}
 
     # set by _load: kernel(args, out, lse), kernel(args, dout, out, lse, dq, dk, dv, dsinks),
     # softmax_rows(x, mask_kind, mask, out, n_threads)
@@ -49,6 +51,10 @@ class CompiledBackend(Backend):
         for attr, why in self.unsupported_options.items():
             if getattr(problem, attr, None) is not None:
                 reasons.append(why)
+        if op == "backward":
+            for attr, why in self.unsupported_backward_options.items():
+                if getattr(problem, attr, None) is not None:
+                    reasons.append(why)
         return reasons
 
     def forward_plan(self, p):

@@ -63,6 +63,17 @@ class KernelArgs(NamedTuple):
     # would recompute from its tiles. Dummy (1, 1, 1) when off.
     has_delta: bool
     delta: np.ndarray          # (B, Hq, L) T
+    # A KV cache read in place (docs/KERNELS.md, section 2). k and v are 4-D views whose last
+    # axis is contiguous; their element strides along (batch or page, head, position):
+    k_strides: tuple           # (H*S*E, S*E, E) for a C-contiguous k
+    v_strides: tuple
+    has_seqlens: bool          # sequence b attends its first seqlens[b] keys, and its query
+    seqlens: np.ndarray        #   row i sits at i + q_offset + seqlens[b] - S; (B,) int32,
+                               #   dummy (1,)
+    has_block_table: bool      # paged: key j of sequence b is row j % page_size of page
+    block_table: np.ndarray    #   block_table[b, j // page_size] of k/v (num_pages, Hkv,
+    page_size: int             #   page_size, E); S = max_pages * page_size. (B, max_pages)
+                               #   int32, dummy (1, 1); page_size 0 when not paged
     tuning: Tuning             # block sizes and prefetch options; 0 / -1 = the backend's choice
 
 
@@ -83,9 +94,14 @@ _new_record = tuple.__new__
 _FIELDS = ("q", "k", "v", "mask_kind", "mask_bool", "mask_float", "mask_strides", "has_alibi",
            "alibi", "scale", "softcap", "q_offset", "win_left", "win_right", "dropout_p", "seed",
            "dropout_bh0", "dropout_bh_stride", "dropout_row0", "dropout_col0", "has_sinks",
-           "sinks", "n_threads", "has_delta", "delta", "tuning")
+           "sinks", "n_threads", "has_delta", "delta", "k_strides", "v_strides", "has_seqlens",
+           "seqlens", "has_block_table", "block_table", "page_size", "tuning")
 assert KernelArgs._fields == _FIELDS
 _NO_MASK_STRIDES = (0, 0, 0, 0)
+_NO_SEQLENS = np.zeros(1, np.int32)
+_NO_BLOCK_TABLE = np.zeros((1, 1), np.int32)
+
+
 
 
 def _whole_origin(p) -> tuple:
@@ -101,6 +117,12 @@ def kernel_args(p, n_threads: int) -> KernelArgs:
     sinks = p.sinks
     delta = p.delta
     kind = p.mask_kind
+    kv_strides = p.kv_strides
+    if kv_strides is None:               # C-contiguous (B, H, S, E): strides from the shapes
+        _, H, S, E = p.k.shape
+        Ev = p.v.shape[3]
+        kv_strides = ((H * S * E, S * E, E), (H * S * Ev, S * Ev, Ev))
+    seqlens, table = p.seqlens, p.block_table
     if kind:
         mask_bool = p.mask.view(np.uint8) if kind == MASK_BOOL else _DUMMY_BOOL
         mask_float = p.mask if kind == MASK_FLOAT else dummy_mask
@@ -116,6 +138,10 @@ def kernel_args(p, n_threads: int) -> KernelArgs:
         *(_whole_origin(p) if p.dropout_origin is None else p.dropout_origin),
         sinks is not None, dummy_sinks if sinks is None else sinks,
         int(n_threads), delta is not None, dummy_delta if delta is None else delta,
+        *kv_strides,
+        seqlens is not None, _NO_SEQLENS if seqlens is None else seqlens,
+        table is not None, _NO_BLOCK_TABLE if table is None else table,
+        0 if table is None else p.k.shape[2],
         current_tuning()))
 
 

@@ -36,6 +36,11 @@ class CythonBackend(CompiledBackend):
     # Below ~1 MiB of K/V (GPT-2-small decode up to ~170 keys) one thread finishes before a
     # woken pool thread has started: measured in bench/results/latency.md (MHA decode rows).
     serial_decode_bytes = 1 << 20
+    # a KV cache read in place: forward and decode read it (csrc/forward.pxi attend_rows)
+    unsupported_backward_options = {
+        "kv_strides": "cython's backward reads k/v C-contiguous only",
+        "seqlens": "cython's backward does not take per-sequence key counts",
+        "block_table": "cython's backward does not read a paged cache"}
 
     def _load(self) -> None:
         self._k = k = _import_kernels()

@@ -61,7 +61,10 @@ def _import_kernels():
 class NumbaBackend(CompiledBackend):
     name = "numba"
     # record fields whose kernel support is not built yet: auto routes such calls elsewhere
-    unsupported_options = {}
+    unsupported_options = {
+        "kv_strides": "numba's kernels read k/v C-contiguous only (no KV cache in place yet)",
+        "seqlens": "numba's kernels do not take per-sequence key counts yet",
+        "block_table": "numba's kernels do not read a paged cache yet"}
 
     def _load(self) -> None:
         forward, decode, softmax, backward = _import_kernels()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _config, _dropout
-from .._inputs import MASK_BOOL, MASK_FLOAT, lse_dtype
+from .._inputs import MASK_BOOL, MASK_FLOAT, Band, lse_dtype
 from ._base import Backend
 from ._threads import check_cancelled, parallel_map
 
@@ -27,7 +27,7 @@ _BWD_MAX_ROWS = 256
 
 def _blocks(p):
     Hq, L = p.q.shape[1], p.q.shape[2]
-    S = p.k.shape[2]
+    S = p.n_keys
     bk = max(1, min(S, KEY_BLOCK))
     bq = max(16, TILE_ELEMENTS // max(1, Hq * bk))
     return min(bq, max(L, 1)), bk
@@ -58,14 +58,38 @@ def safe_matmul(w: np.ndarray, v: np.ndarray, v_finite: bool | None = None) -> n
     return res
 
 
-def _apply_scores_pipeline(p, s, b, i0, i1, j0, j1, heads=slice(None)):
+def _sequence(p, b):
+    """Keys of sequence b as (Hkv, n, E) / (Hkv, n, Ev) arrays, n, and the band of its rows.
+
+    The dense problem: p.k[b], p.v[b], S, p.band. A KV cache read in place (Problem.seqlens,
+    block_table, kv_strides): the first seqlens[b] keys (its pages gathered: this backend is
+    the reference for correctness, the compiled ones read the pages where they are), and the
+    band moved to end where the sequence ends.
+    """
+    S = p.n_keys
+    if p.seqlens is None and p.block_table is None:
+        return p.k[b], p.v[b], S, p.band
+    n = S if p.seqlens is None else int(p.seqlens[b])
+    if p.block_table is None:
+        kb, vb = p.k[b, :, :n], p.v[b, :, :n]
+    else:
+        page = p.k.shape[2]
+        pages = p.block_table[b, :-(-n // page)]
+        kb = p.k[pages].transpose(1, 0, 2, 3).reshape(p.k.shape[1], -1, p.k.shape[3])[:, :n]
+        vb = p.v[pages].transpose(1, 0, 2, 3).reshape(p.v.shape[1], -1, p.v.shape[3])[:, :n]
+    band = p.band
+    return kb, vb, n, Band(band.q_offset + n - S, band.left, band.right, band.unbounded)
+
+
+def _apply_scores_pipeline(p, s, b, i0, i1, j0, j1, heads=slice(None), band=None):
     """Scale, softcap, ALiBi, masks and band on a score tile s of shape (nh, nq, nk), in place.
 
-    The tile holds the query heads `heads` (a slice of range(Hq)) of batch element b.
+    The tile holds the query heads `heads` (a slice of range(Hq)) of batch element b; `band`:
+    that sequence's (default p.band).
 
     Returns 1 - tanh^2 of the softcap (its derivative, for the backward) or None without softcap.
     """
-    band = p.band
+    band = p.band if band is None else band
     s *= p.dtype.type(p.scale)
     softcap_grad = None
     if p.softcap:
@@ -149,7 +173,7 @@ class NumpyBackend(Backend):
         out = np.zeros((B, Hq, L, p.v.shape[3]), p.dtype)
         lse = np.full((B, Hq, L), -np.inf, lse_dtype(p.dtype))
         # with no key at all a row still has its sink (out 0, lse = sink): run the tiles
-        if B * Hq * L and (p.k.shape[2] or p.sinks is not None):
+        if B * Hq * L and (p.n_keys or p.sinks is not None):
             with np.errstate(invalid="ignore"):  # inf * 0 from masked keys; masked out per tile
                 self._forward_tiles(p, out, lse)
         return out, lse
@@ -171,14 +195,14 @@ class NumpyBackend(Backend):
     def _forward_block(self, p, out, lse, b, i0, i1, bk, v_finite):
         """Rows i0..i1-1 of batch b, all heads: online softmax over the band's key blocks."""
         Hq, L, E = p.q.shape[1:]
-        Hkv, S, Ev = p.k.shape[1], p.k.shape[2], p.v.shape[3]
+        Hkv, Ev = p.k.shape[1], p.v.shape[3]
         G = p.group
         dt = p.dtype
         nq = i1 - i0
-        j_lo, j_hi = p.band.key_range(i0, i1, S)
+        kb, vb, S, band = _sequence(p, b)
+        j_lo, j_hi = band.key_range(i0, i1, S)
         if j_lo >= j_hi and p.sinks is None:
             return                                     # every key outside the band: zeros, -inf
-        kb, vb = p.k[b], p.v[b]
         # (Hkv, G*nq, E): the G query heads sharing a KV head are one matmul operand.
         qt = np.ascontiguousarray(p.q[b].reshape(Hkv, G, L, E)[:, :, i0:i1]).reshape(Hkv, G * nq, E)
         m = np.full((Hq, nq), -np.inf, dt)
@@ -195,7 +219,7 @@ class NumpyBackend(Backend):
             j1 = min(j_hi, j0 + bk)
             s = np.matmul(qt, kb[:, j0:j1].transpose(0, 2, 1))     # (Hkv, G*nq, nk)
             s3 = s.reshape(Hq, nq, j1 - j0)
-            _apply_scores_pipeline(p, s3, b, i0, i1, j0, j1)
+            _apply_scores_pipeline(p, s3, b, i0, i1, j0, j1, band=band)
             m_new = np.maximum(m, s3.max(axis=-1))
             m_safe = np.where(np.isneginf(m_new), 0, m_new).astype(dt)
             s3 -= m_safe[:, :, None]
@@ -229,6 +253,9 @@ class NumpyBackend(Backend):
         Returns (dq, dk, dv, dsinks): dsinks (Hq,) is None without sinks. The tiles need no
         change for sinks (lse includes the sink, so P does); dsinks is one reduction over rows.
         """
+        if p.seqlens is not None or p.block_table is not None or p.kv_strides is not None:
+            raise ValueError("the numpy backward takes dense k/v, not a KV cache read in place "
+                             "(seqlens, block_table, kv_strides)")
         dq = np.zeros_like(p.q)
         dk = np.zeros_like(p.k)
         dv = np.zeros_like(p.v)
