@@ -198,3 +198,27 @@ def test_latency_preset_plumbing(tmp_path, monkeypatch):
         assert r["fastattn"]["tokens_per_s"] > 0 and ("time_vs_torch" in r) == has_torch
     text = (tmp_path / "latency.md").read_text()
     assert "| row |" in text and "decode loop" in text and "tiny call" in text
+
+
+def test_inference_preset_plumbing(tmp_path, monkeypatch):
+    """--preset inference end to end at tiny sizes: the ragged prefill, decode (contiguous and
+    paged) and append rows, each implementation's time, the ratios and the bandwidth shares."""
+    from fastattn.bench import kvcache
+
+    monkeypatch.setattr(kvcache, "run", lambda threads, rounds, small=False, _run=kvcache.run:
+                        _run(threads, rounds, small=True))
+    assert bench_cli.main(["--preset", "inference", "--rounds", "2", "--threads", "1",
+                           "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "inference.json") as f:
+        data = json.load(f)
+    prefill, decode, append = data["records"]
+    has_torch = "torch padded + mask" in prefill["ms"]
+    assert set(prefill["ms"]) >= {"fastattn varlen", "fastattn one by one"}
+    assert prefill["varlen_vs_one_by_one"] > 0 and ("torch_vs_varlen" in prefill) == has_torch
+    assert set(decode["ms"]) >= {"fastattn contiguous", "fastattn paged"}
+    for name in ("fastattn contiguous", "fastattn paged"):
+        assert decode[name]["gbytes_per_s"] > 0 and decode[name]["of_read_bandwidth"] > 0
+    assert ("torch_vs_paged" in decode) == has_torch and decode["read_bandwidth_gbytes_per_s"] > 0
+    assert append["largest_vs_smallest"] > 0 and len(append["ms"]) == 2
+    text = (tmp_path / "inference.md").read_text()
+    assert "ragged prefill" in text and "% of read bandwidth" in text and "capacity" in text

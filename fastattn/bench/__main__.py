@@ -1,4 +1,4 @@
-"""python -m fastattn.bench [--preset quick|full|targets|smoke|latency|dask] [options]
+"""python -m fastattn.bench [--preset quick|full|targets|smoke|latency|dask|inference] [options]
 
 fastattn's backends against torch's CPU SDPA, jax.nn.dot_product_attention and the seed-style
 NumPy code, each measurement in its own process with the same thread count, interleaved, with
@@ -14,6 +14,10 @@ latency.md to --out (default bench/out) and with --readme its table into README.
 
 --preset dask: one causal problem on 1 vs 2 dask worker processes vs fastattn called directly
 (fastattn/bench/dask_scaling.py; needs the dask extra); writes dask.json and dask.md to --out.
+
+--preset inference: ragged prefill (varlen) and decode against a ragged contiguous or paged KV
+cache, against torch on the padded batch with a mask, interleaved in one process
+(fastattn/bench/kvcache.py); writes inference.json and inference.md to --out.
 """
 from __future__ import annotations
 
@@ -37,12 +41,15 @@ def parse_args(argv):
 
     ap = argparse.ArgumentParser(prog="python -m fastattn.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=list(PRESETS) + ["latency", "dask"], default="quick",
+    ap.add_argument("--preset", choices=list(PRESETS) + ["latency", "dask", "inference"],
+                    default="quick",
                     help="which cases and how many rounds (default: quick): " + "; ".join(
                         f"{p.name}: {p.note}" for p in PRESETS.values())
                     + "; latency: decode-step calls and a decode loop against torch, "
                     "interleaved in one process (a few minutes); dask: 1 vs 2 dask workers vs "
-                    "direct calls, forward and backward (a few minutes, needs the dask extra)")
+                    "direct calls, forward and backward (a few minutes, needs the dask extra); "
+                    "inference: ragged prefill and ragged/paged KV-cache decode against torch "
+                    "padded, in one process")
     ap.add_argument("--sweeps", nargs="+", metavar="TEXT",
                     help="only sweeps whose name contains one of these, e.g. decode 'fwd d=64'")
     ap.add_argument("--impls", nargs="+", help="implementations to run (default: every one "
@@ -76,6 +83,10 @@ def main(argv=None) -> int:
         from . import dask_scaling
 
         return dask_scaling.main(args.rounds, args.out or "bench/out")
+    if args.preset == "inference":
+        from . import kvcache
+
+        return kvcache.main(args.threads, args.rounds, args.out or "bench/out")
     preset = PRESETS[args.preset]
     case_list = [c for c in preset.cases
                  if not args.sweeps or any(s in c.sweep for s in args.sweeps)]

@@ -1,0 +1,267 @@
+"""Ragged batches and KV caches: fastattn's inference API against what a torch user does on CPU.
+
+    python -m fastattn.bench --preset inference [--rounds N] [--out DIR] [--threads N]
+
+The rows of issue 16's speed item, each timed interleaved in ONE process (as the latency
+preset: fastattn's call and its peers alternate round by round, medians of per-round ratios):
+
+- ragged prefill: packed sequences of RAGGED_LENS tokens, H heads, d, causal. fastattn's
+  `varlen_attention` against torch's SDPA on the batch padded to the longest sequence with a
+  boolean mask (causal and key padding), and against the sequences run one by one through
+  `fa.scaled_dot_product_attention`;
+- decode: DECODE_B sequences whose cache lengths are spread geometrically over DECODE_LENS,
+  Hq/Hkv, d, one query token each, float32. fastattn's `attention_with_kvcache` on a
+  contiguous flash-layout cache (B, S_max, Hkv, d) and on a paged one (pages of PAGE tokens,
+  shuffled in a pool), against torch's SDPA on the padded (B, Hkv, S_max, d) cache with a key
+  padding mask. Each is also given as GB/s of the bytes it must read (the keys and values of
+  the real tokens; torch reads the padding too) and as a fraction of the machine's read
+  bandwidth for as many bytes, measured in the same rounds: a float32 matrix-vector product
+  through NumPy's BLAS over a matrix of exactly the bytes the decode must read, one more
+  callable of the interleaving (so it sees the same load; with a last-level cache that can
+  hold the working set, the cache is part of "the machine's read bandwidth" for both);
+- append: one new token written into caches of two capacities with the same short lengths:
+  a cost that does not grow with the capacity shows that the cache is not copied.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+
+RAGGED_LENS = (4096, 1024, 256, 17)
+RAGGED = dict(H=8, d=64)
+DECODE = dict(B=8, lo=512, hi=16384, Hq=32, Hkv=8, d=128, page=256)
+APPEND = dict(B=8, Hkv=8, d=128, capacities=(1024, 16384), held=16)
+PROBE = "read probe (gemv)"
+
+
+def _interleaved(fns: dict, rounds: int) -> dict:
+    """{name: [seconds per call, one per round]}; the order alternates every round."""
+    for f in fns.values():                            # warm-up (also numba's compile)
+        f()
+    times = {k: [] for k in fns}
+    for r in range(rounds):
+        order = list(fns.items()) if r % 2 == 0 else list(fns.items())[::-1]
+        for name, f in order:
+            t = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
+def _ratio(times: dict, a: str, b: str) -> float:
+    """Median over rounds of time(a) / time(b)."""
+    return round(statistics.median(x / y for x, y in zip(times[a], times[b])), 3)
+
+
+def _ms(times: dict) -> dict:
+    return {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()}
+
+
+def ragged_prefill(torch, rounds: int, lens=RAGGED_LENS, H=None, d=None) -> dict:
+    import fastattn as fa
+
+    H = RAGGED["H"] if H is None else H
+    d = RAGGED["d"] if d is None else d
+    rng = np.random.default_rng(0)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q, k, v = (rng.standard_normal((int(cu[-1]), H, d), dtype=np.float32) for _ in range(3))
+    seqs = [tuple(np.ascontiguousarray(x[cu[i]:cu[i + 1]].transpose(1, 0, 2))[None]
+                  for x in (q, k, v)) for i in range(len(lens))]
+    fns = {
+        "fastattn varlen": lambda: fa.varlen_attention(q, k, v, cu, cu, is_causal=True),
+        "fastattn one by one": lambda: [fa.scaled_dot_product_attention(*s, is_causal=True)
+                                        for s in seqs],
+    }
+    if torch is not None:
+        n, B = max(lens), len(lens)
+        pad = np.zeros((3, B, H, n, d), np.float32)
+        for i, s in enumerate(seqs):
+            for j in range(3):
+                pad[j, i, :, :lens[i]] = s[j][0]
+        pos = np.arange(n)
+        keep = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < np.array(lens)[:, None, None])
+        keep |= ~keep.any(-1, keepdims=True)          # padding rows: any key (no NaN rows)
+        tq, tk, tv = (torch.from_numpy(pad[j]) for j in range(3))
+        tm = torch.from_numpy(keep[:, None])
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        fns["torch padded + mask"] = lambda: sdpa(tq, tk, tv, attn_mask=tm)
+    times = _interleaved(fns, rounds)
+    rec = {"row": f"ragged prefill, lengths {tuple(lens)}, H={H}, d={d}, causal",
+           "ms": _ms(times),
+           "varlen_vs_one_by_one": _ratio(times, "fastattn varlen", "fastattn one by one")}
+    if torch is not None:
+        rec["torch_vs_varlen"] = _ratio(times, "torch padded + mask", "fastattn varlen")
+    return rec
+
+
+def decode_lengths(B: int, lo: int, hi: int) -> np.ndarray:
+    """B cache lengths spread geometrically from lo to hi."""
+    return np.round(np.geomspace(lo, hi, B)).astype(np.int32)
+
+
+def ragged_decode(torch, rounds: int, B=None, lo=None, hi=None, Hq=None, Hkv=None, d=None,
+                  page=None) -> dict:
+    import fastattn as fa
+
+    c = dict(DECODE)
+    c.update({k: v for k, v in dict(B=B, lo=lo, hi=hi, Hq=Hq, Hkv=Hkv, d=d, page=page).items()
+              if v is not None})
+    B, Hq, Hkv, d, page = c["B"], c["Hq"], c["Hkv"], c["d"], c["page"]
+    lens = decode_lengths(B, c["lo"], c["hi"])
+    S_max = int(lens.max())
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((B, 1, Hq, d), dtype=np.float32)
+    kc = np.zeros((B, S_max, Hkv, d), np.float32)
+    vc = np.zeros((B, S_max, Hkv, d), np.float32)
+    for b in range(B):                                # real tokens; the rest stays 0
+        kc[b, :lens[b]] = rng.standard_normal((lens[b], Hkv, d), dtype=np.float32)
+        vc[b, :lens[b]] = rng.standard_normal((lens[b], Hkv, d), dtype=np.float32)
+    per_seq = -(-S_max // page)
+    n_pages = [-(-int(n) // page) for n in lens]
+    pool = sum(n_pages)
+    order = rng.permutation(pool).astype(np.int32)    # pages scattered over the pool
+    table = np.zeros((B, per_seq), np.int32)
+    kp = np.zeros((pool, page, Hkv, d), np.float32)
+    vp = np.zeros((pool, page, Hkv, d), np.float32)
+    at = 0
+    for b in range(B):
+        for i in range(n_pages[b]):
+            pg = order[at]
+            at += 1
+            table[b, i] = pg
+            part = slice(i * page, min(int(lens[b]), (i + 1) * page))
+            kp[pg, :part.stop - part.start] = kc[b, part]
+            vp[pg, :part.stop - part.start] = vc[b, part]
+    fns = {
+        "fastattn contiguous": lambda: fa.attention_with_kvcache(q, kc, vc, cache_seqlens=lens),
+        "fastattn paged": lambda: fa.attention_with_kvcache(q, kp, vp, cache_seqlens=lens,
+                                                            block_table=table),
+    }
+    if torch is not None:
+        tq = torch.from_numpy(np.ascontiguousarray(q.transpose(0, 2, 1, 3)))
+        tk = torch.from_numpy(np.ascontiguousarray(kc.transpose(0, 2, 1, 3)))
+        tv = torch.from_numpy(np.ascontiguousarray(vc.transpose(0, 2, 1, 3)))
+        tm = torch.from_numpy(np.arange(S_max)[None, None, None, :] < lens[:, None, None, None])
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        fns["torch padded + mask"] = lambda: sdpa(tq, tk, tv, attn_mask=tm, enable_gqa=True)
+    need = float(lens.sum()) * Hkv * d * 4 * 2       # the real tokens' keys and values
+    cols = 1024
+    probe_m = np.ones((max(1, int(need) // (4 * cols)), cols), np.float32)
+    probe_x = np.ones(cols, np.float32)
+    fns[PROBE] = lambda: probe_m @ probe_x
+    times = _interleaved(fns, rounds)
+    bw = probe_m.nbytes / statistics.median(times[PROBE])
+    rec = {"row": f"decode, B={B}, lengths {lens.tolist()}, Hq={Hq}, Hkv={Hkv}, d={d}, "
+                  f"page {page}", "ms": _ms(times), "bytes_needed": need,
+           "read_bandwidth_gbytes_per_s": round(bw / 1e9, 2)}
+    for name, ts in times.items():
+        if name == PROBE:
+            continue
+        # per round: (bytes needed / its time) / (probe bytes / the probe's time)
+        share = statistics.median((need / t) / (probe_m.nbytes / p)
+                                  for p, t in zip(times[PROBE], ts))
+        rec[name] = {"gbytes_per_s": round(need / statistics.median(ts) / 1e9, 2),
+                     "of_read_bandwidth": float(f"{share:.3g}")}
+    if torch is not None:
+        for name in ("fastattn contiguous", "fastattn paged"):
+            rec[f"torch_vs_{name.split()[1]}"] = _ratio(times, "torch padded + mask", name)
+    return rec
+
+
+def append_cost(rounds: int, B=None, Hkv=None, d=None, capacities=None, held=None) -> dict:
+    """One token appended (and attended by one query head per KV head, over `held` keys) in
+    caches of each capacity: the time should not grow with the capacity."""
+    import fastattn as fa
+
+    c = dict(APPEND)
+    c.update({k: v for k, v in dict(B=B, Hkv=Hkv, d=d, capacities=capacities,
+                                    held=held).items() if v is not None})
+    B, Hkv, d, held = c["B"], c["Hkv"], c["d"], c["held"]
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((B, 1, Hkv, d), dtype=np.float32) for _ in range(3))
+    lens = np.full(B, held, np.int32)
+    fns = {}
+    for cap in c["capacities"]:
+        kc = np.zeros((B, cap, Hkv, d), np.float32)
+        vc = np.zeros((B, cap, Hkv, d), np.float32)
+        fns[f"capacity {cap}"] = (lambda kc=kc, vc=vc: fa.attention_with_kvcache(
+            q, kc, vc, k, v, cache_seqlens=lens))
+    times = _interleaved(fns, rounds)
+    names = list(fns)
+    return {"row": f"append 1 token + attend {held} keys, B={B}, Hkv={Hkv}, d={d}, "
+                   f"capacities {tuple(c['capacities'])}", "ms": _ms(times),
+            "largest_vs_smallest": _ratio(times, names[-1], names[0])}
+
+
+def run(threads: int, rounds: int = 7, small: bool = False) -> dict:
+    from .machine import describe, load_average
+
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        torch.set_num_threads(threads)
+    meta = describe(threads, ["--preset", "inference"])
+    meta.update(preset="inference", rounds=rounds,
+                omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "unset"))
+    if small:                                         # the plumbing test's sizes
+        records = [ragged_prefill(torch, rounds, lens=(40, 9, 1), H=2, d=8),
+                   ragged_decode(torch, rounds, B=3, lo=8, hi=70, Hq=4, Hkv=2, d=8, page=16),
+                   append_cost(rounds, B=2, Hkv=2, d=8, capacities=(32, 256), held=4)]
+    else:
+        records = [ragged_prefill(torch, rounds), ragged_decode(torch, rounds),
+                   append_cost(rounds)]
+    meta["load_average_end"] = load_average()
+    return {"meta": meta, "records": records}
+
+
+def markdown(data: dict) -> str:
+    m = data["meta"]
+    lines = [
+        f"Inference preset (`python -m fastattn.bench --preset inference`), {m['date']}"
+        + (f", fastattn commit {m['fastattn_commit']}" if m.get("fastattn_commit") else "")
+        + f"; {m['cpu']}, **{m['threads']} threads**; torch {m['versions'].get('torch')}; "
+        f"float32, auto backend; interleaved in one process, {m['rounds']} rounds, medians "
+        f"(ratios: medians of per-round ratios). Load average start/end "
+        f"{m.get('load_average_start')} / {m.get('load_average_end')}; "
+        f"OMP_WAIT_POLICY={m.get('omp_wait_policy')}.",
+        "",
+        "| row | times (ms) | ratios |",
+        "|---|---|---|",
+    ]
+    for r in data["records"]:
+        times = ", ".join(f"{k} {v:.2f}" for k, v in r["ms"].items())
+        ratios = []
+        if "varlen_vs_one_by_one" in r:
+            ratios.append(f"varlen / one by one {r['varlen_vs_one_by_one']:.2f}")
+        for key in ("torch_vs_varlen", "torch_vs_contiguous", "torch_vs_paged"):
+            if key in r:
+                ratios.append(f"torch / fastattn {key.split('_')[-1]} {r[key]:.2f}")
+        if "read_bandwidth_gbytes_per_s" in r:
+            ratios.append(f"read bandwidth (gemv over the same bytes) "
+                          f"{r['read_bandwidth_gbytes_per_s']:.1f} GB/s")
+        for name in ("fastattn contiguous", "fastattn paged", "torch padded + mask"):
+            if name in r and "gbytes_per_s" in r[name]:
+                ratios.append(f"{name}: {r[name]['gbytes_per_s']:.1f} GB/s of the needed bytes "
+                              f"= {100 * r[name]['of_read_bandwidth']:.0f}% of read bandwidth")
+        if "largest_vs_smallest" in r:
+            ratios.append(f"largest / smallest capacity {r['largest_vs_smallest']:.2f}")
+        lines.append(f"| {r['row']} | {times} | {'; '.join(ratios)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(threads: int, rounds: int | None, out_dir: str, small: bool = False) -> int:
+    data = run(threads, rounds or 7, small=small)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "inference.json"), "w") as f:
+        json.dump(data, f, indent=1)
+    text = markdown(data)
+    with open(os.path.join(out_dir, "inference.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
