@@ -3,9 +3,10 @@
 A decode loop calls attention thousands of times with the same few shapes and options, and its
 kernel takes ~1 us; the full path (make_problem's checks, the Problem, resolve, the kernel
 record) costs several times that in Python. So a call that went the full way with options that
-do not vary per call (no mask, window, softcap, ALiBi, sinks or dropout) leaves a plan: the
-backend, its kernel, and the kernel record without q/k/v. A later call with the same key -- the
-shapes, dtype, scale, is_causal, enable_gqa, causal_alignment and backend= argument -- reuses it.
+need no per-call array of their own (no mask, softcap, ALiBi, sinks or dropout) leaves a plan:
+the backend, its kernel, and the kernel record without q/k/v. A later call with the same key --
+the shapes, dtype, scale, is_causal, enable_gqa, causal_alignment, window and backend= argument
+-- reuses it.
 
 Correctness rests on two things:
 - A plan is made only after the full path accepted the same key, and everything make_problem
@@ -27,8 +28,9 @@ import numpy as np
 
 from . import _backends, _config, _process
 from ._backends._compiled import CompiledBackend
-from ._backends._kernel_args import KernelArgs
+from ._backends._kernel_args import KernelArgs, forward_outputs
 from ._inputs import Problem, lse_dtype
+from . import _tuning
 from ._tuning import current_tuning
 
 _F32 = np.dtype(np.float32)
@@ -39,6 +41,8 @@ _new_record = tuple.__new__
 _context_choice = _backends._context_choice
 _registry = _backends.registry
 _empty = np.empty
+_pool_state = _process._state
+_tuning_var = _tuning._current            # current_tuning() is _tuning_var.get()
 
 # Problem fields a plan's key determines, or that are the per-call arrays; every other field
 # must have its default for a call to be planned.
@@ -54,7 +58,7 @@ MAX_PLANS = 512
 
 
 def plan_key(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
-             backend):
+             window, backend):
     """The plan key of a call, or None when the call is not of the planned kind.
 
     Only exact types make a key: `True == 1` and `1 == 1.0` hash alike, so a bool where a
@@ -77,8 +81,14 @@ def plan_key(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal_
         tp = type(scale)
         if not (tp is float or tp is int):
             return None
+    if window is not None:            # a (left, right) tuple of ints or None (a decode loop
+        if type(window) is not tuple or len(window) != 2:       # over a preallocated cache
+            return None                                         # passes window=(0, t))
+        left, right = window
+        if not ((left is None or type(left) is int) and (right is None or type(right) is int)):
+            return None
     return (query.shape, key.shape, value.shape, dt is _F64, scale, is_causal, enable_gqa,
-            causal_alignment, backend)
+            causal_alignment, window, backend)
 
 
 def _state(backend_obj):
@@ -94,38 +104,50 @@ def run(pkey, query, key, value):
     be, kernel, tail, state, out_shape, lse_shape, lse_dt = plan
     ctx, proc, settings, tune, reg = state
     if not (_context_choice.get() is ctx and _backends._process_choice is proc
-            and _config._settings is settings and current_tuning() is tune
+            and _config._settings is settings and _tuning_var.get() is tune
             and _registry.get(be.name) is be):
         return None
     dt = query.dtype
     out = _empty(out_shape, dt)
     lse = _empty(lse_shape, lse_dt)
-    _process.note_pool_used()
+    _pool_state["pool_used"] = True           # _process.note_pool_used(), inline
     kernel(_new_record(KernelArgs, (_ascontiguous(query), _ascontiguous(key),
                                     _ascontiguous(value)) + tail), out, lse)
     return out, lse
 
 
-def remember(pkey, p, be) -> None:
-    """Make the plan of a call that went the full way: Problem `p` (as the kernels took it,
-    unrewritten) served by backend `be`."""
+def forward_and_plan(pkey, p, be):
+    """be.forward(p) for a call that went the full way, leaving the plan of its key when the
+    call can have one: Problem `p` (as the kernels take it, unrewritten) served by a compiled
+    backend. The kernel and record it runs are the plan's, built once."""
+    if not _plannable(pkey, p, be):
+        return be.forward(p)
+    state = _state(be)
+    kernel, record = be.forward_plan(p)
+    out, lse = forward_outputs(p)
+    _process.note_pool_used()
+    kernel(record, out, lse)
+    if len(_plans) >= MAX_PLANS:
+        _plans.clear()
+    _plans[pkey] = (be, kernel, tuple(record[3:]), state, tuple(p.out_shape),
+                    tuple(p.lse_shape), lse_dtype(p.dtype))
+    return out, lse
+
+
+def _plannable(pkey, p, be) -> bool:
     if not isinstance(be, CompiledBackend) or type(be).forward is not CompiledBackend.forward:
-        return                        # the numpy backend, or a backend with its own forward
+        return False                  # the numpy backend, or a backend with its own forward
     if "forward" in vars(be):
-        return                        # an instance whose forward was replaced
+        return False                  # an instance whose forward was replaced
     if p.is_empty or p.q.shape[3] == 0:
-        return                        # served by the numpy backend
+        return False                  # served by the numpy backend
     if pkey[0] != p.q.shape or p.out_shape != p.q.shape[:3] + p.v.shape[3:]:
-        return                        # not the kernels' layout (plan_key asks for 4-D arrays)
+        return False                  # not the kernels' layout (plan_key asks for 4-D arrays)
     for f in _OPTION_FIELDS:          # every option at its default (also fields added later)
         value = getattr(p, f.name)
         if value is not f.default and (f.default is None or value != f.default):
-            return
-    kernel, record = be.forward_plan(p)
-    if len(_plans) >= MAX_PLANS:
-        _plans.clear()
-    _plans[pkey] = (be, kernel, tuple(record[3:]), _state(be), tuple(p.out_shape),
-                    tuple(p.lse_shape), lse_dtype(p.dtype))
+            return False
+    return True
 
 
 def clear() -> None:

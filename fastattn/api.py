@@ -76,12 +76,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     masked gives 0 (and lse -inf, or the head's sink with sinks), never NaN.
     """
     pkey = None
-    if (attn_mask is None and window is None and softcap is None and alibi_slopes is None
-            and sinks is None and part_of is None):
+    if (attn_mask is None and softcap is None and alibi_slopes is None and sinks is None
+            and part_of is None):
         # the per-token path: a call with the key of an earlier one reuses its plan
         # (fastattn/_fastpath.py); any other call, or the first of a key, goes the full way
         pkey = _fastpath.plan_key(query, key, value, dropout_p, is_causal, scale, enable_gqa,
-                                  causal_alignment, backend)
+                                  causal_alignment, window, backend)
         if pkey is not None:
             res = _fastpath.run(pkey, query, key, value)
             if res is not None:
@@ -101,11 +101,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     be = _backends.resolve(p, "forward", backend)
     if p.is_empty or p.q.shape[3] == 0:
         be = _numpy()            # degenerate sizes: the NumPy code path handles every edge
-    out, lse = be.forward(p)
+    if pkey is not None and p is p0:
+        out, lse = _fastpath.forward_and_plan(pkey, p, be)     # the first call of its key
+    else:
+        out, lse = be.forward(p)
     if shift:
         lse = lse - _parts.alibi_shift(p.alibi, shift, lse.dtype)
-    if pkey is not None and p is p0:
-        _fastpath.remember(pkey, p, be)
     if out.dtype != p.in_dtype or out.shape != p.out_shape:   # (the usual call: neither)
         with np.errstate(over="ignore"):  # float16 beyond 65504 is inf, its own answer
             out = out.astype(p.in_dtype, copy=False).reshape(p.out_shape)

@@ -39,6 +39,9 @@ CASES = [
      dict(enable_gqa=True, is_causal=True, causal_alignment="bottom_right")),
     ("forward_causal", (1, 2, 40, 16), (1, 2, 40, 16), dict(is_causal=True, scale=0.3)),
     ("forward_int_scale", (2, 1, 30, 8), (2, 1, 45, 8), dict(scale=2)),
+    ("decode_window", (1, 3, 1, 16), (1, 3, 90, 16), dict(window=(0, 40))),
+    ("forward_window_causal", (1, 2, 33, 16), (1, 2, 50, 16),
+     dict(window=(7, None), is_causal=True, causal_alignment="bottom_right")),
 ]
 
 
@@ -85,6 +88,15 @@ def test_a_bool_or_int_never_finds_the_plan_of_a_number_or_bool(compiled, rng):
         SDPA(q, k, v, dropout_p=False, scale=1, is_causal=True, enable_gqa=True)
     with pytest.raises(ValueError, match="causal_alignment"):
         SDPA(q, k, v, scale=1, is_causal=True, enable_gqa=True, causal_alignment="top")
+    SDPA(q, k, v, window=(1, 0))
+    SDPA(q, k, v, window=(1, 0))
+    with pytest.raises(TypeError, match="window sides must be ints"):
+        SDPA(q, k, v, window=(True, 0))
+    with pytest.raises(TypeError, match="window sides must be ints"):
+        SDPA(q, k, v, window=(1.0, 0))
+    w = SDPA(q, k, v, window=(1, 0))
+    assert np.array_equal(SDPA(q, k, v, window=[1, 0]), w)   # a list: the full path, same result
+    assert np.array_equal(SDPA(q, k, v, window=(np.int64(1), 0)), w)
 
 
 class Spy:
