@@ -304,63 +304,19 @@ FA_FN void FN(fa_bwd_ds)(FA_T *S, FA_T *dP, const FA_T *Gs, ptrdiff_t n, ptrdiff
     }
 }
 
-/* O[r][:] += sum_{i < ni} T[r * FA_BWD_LDS + i] * X[i][:] for MRX key rows and NVX*VW columns:
- * dV += Pᵀ·dO and dK += dSᵀ·Q with the tile's lanes as the reduction.  The lanes are summed in
- * chunks of FA_PV_CHUNK into fresh registers, each chunk added to O in memory (as fa_pv). */
-#define FA_PTQ_MAXR 12
-FA_INL void FN(fa_ptq_tile_)(const int MRX, const int NVX, const FA_T *T, ptrdiff_t ni,
-                             const FA_T *X, ptrdiff_t ldx, FA_T *O, ptrdiff_t ldo)
-{
-    for (ptrdiff_t i0 = 0; i0 < ni; i0 += FA_PV_CHUNK) {
-        const ptrdiff_t i1 = ni - i0 < FA_PV_CHUNK ? ni : i0 + FA_PV_CHUNK;
-        VT acc[FA_PTQ_MAXR][2 * FA_NV];
-#pragma GCC unroll 16
-        for (int r = 0; r < MRX; r++)
-#pragma GCC unroll 8
-            for (int v = 0; v < NVX; v++) acc[r][v] = BC(0);
-        for (ptrdiff_t i = i0; i < i1; i++) {
-            VT b[2 * FA_NV];
-#pragma GCC unroll 8
-            for (int v = 0; v < NVX; v++) b[v] = LD(X + i * ldx + v * FA_VW);
-#pragma GCC unroll 16
-            for (int r = 0; r < MRX; r++) {
-                VT a = BC(T[r * FA_BWD_LDS + i]);
-#pragma GCC unroll 8
-                for (int v = 0; v < NVX; v++) acc[r][v] += a * b[v];
-            }
-        }
-#pragma GCC unroll 16
-        for (int r = 0; r < MRX; r++)
-#pragma GCC unroll 8
-            for (int v = 0; v < NVX; v++)
-                ST(O + r * ldo + v * FA_VW, LD(O + r * ldo + v * FA_VW) + acc[r][v]);
-    }
-}
-
+/* O[r][:] += sum_{i < ni} T[r * FA_BWD_LDS + i] * X[i][:] for MRX key rows: dV += Pᵀ·dO and
+ * dK += dSᵀ·Q with the tile's lanes as the reduction, fa_acc_tile_ (fa_gemm_tiles.h) with the
+ * tile's row stride. */
 FA_INL void FN(fa_ptq_rows_)(const int MRX, const FA_T *T, ptrdiff_t ni, const FA_T *X,
                              ptrdiff_t ldx, ptrdiff_t C, FA_T *O, ptrdiff_t ldo)
 {
     ptrdiff_t c = 0;
     for (; c + NR <= C; c += NR)
-        FN(fa_ptq_tile_)(MRX, FA_NV, T, ni, X + c, ldx, O + c, ldo);
+        FN(fa_acc_tile_)(MRX, FA_NV, T, 1, FA_BWD_LDS, ni, X + c, ldx, O + c, ldo);
     for (; c + FA_VW <= C; c += FA_VW)
-        FN(fa_ptq_tile_)(MRX, 1, T, ni, X + c, ldx, O + c, ldo);
-    if (c < C) {  /* fewer than VW columns left: scalar, same chunked order */
-        for (int r = 0; r < MRX; r++) {
-            FA_T *o = O + r * ldo;
-            const FA_T *t = T + r * FA_BWD_LDS;
-            for (ptrdiff_t cc = c; cc < C; cc++) {
-                FA_T tot = o[cc];
-                for (ptrdiff_t i0 = 0; i0 < ni; i0 += FA_PV_CHUNK) {
-                    FA_T acc = 0;
-                    for (ptrdiff_t i = i0; i < ni && i < i0 + FA_PV_CHUNK; i++)
-                        acc += t[i] * X[i * ldx + cc];
-                    tot += acc;
-                }
-                o[cc] = tot;
-            }
-        }
-    }
+        FN(fa_acc_tile_)(MRX, 1, T, 1, FA_BWD_LDS, ni, X + c, ldx, O + c, ldo);
+    if (c < C)    /* fewer than VW columns left: scalar, same chunked order */
+        FN(fa_acc_cols_)(MRX, T, 1, FA_BWD_LDS, ni, X, ldx, c, C, O, ldo, NULL);
 }
 
 /* O[j][0:C] += sum_{i < ni} T[j][i] * X[i][0:C] for exactly the rows j < n (O rows are the
@@ -377,8 +333,8 @@ FA_FN void FN(fa_ptq)(const FA_T *T, ptrdiff_t n, ptrdiff_t ni, const FA_T *X, p
     if (c4 > 0)
         for (; r + 6 <= n; r += 6) {
             for (ptrdiff_t c = 0; c < c4; c += 4 * FA_VW)
-                FN(fa_ptq_tile_)(6, 4, T + r * FA_BWD_LDS, ni, X + c, ldx, O + r * ldo + c,
-                                 ldo);
+                FN(fa_acc_tile_)(6, 4, T + r * FA_BWD_LDS, 1, FA_BWD_LDS, ni, X + c, ldx,
+                                 O + r * ldo + c, ldo);
             if (c4 < C)
                 FN(fa_ptq_rows_)(6, T + r * FA_BWD_LDS, ni, X + c4, ldx, C - c4,
                                  O + r * ldo + c4, ldo);

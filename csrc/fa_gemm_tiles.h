@@ -159,12 +159,68 @@ FA_FN void FN(fa_colmax)(const FA_T *S, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W,
 }
 
 /* ------------------------------------------------------------------ P·V ----------------- */
-/* O[r][:] = alpha[r]*O[r][:] + sum_j P[j][r] * V[j][:] for MRX query rows and NVX*VW
- * columns.  Summation order matters for float32: one register accumulator per output running
- * over all keys made the error grow like sqrt(S) (3.4x NumPy's at S = 4096).  So the keys
- * are summed in chunks of FA_PV_CHUNK into fresh registers and each chunk is added to O in
- * memory (O was rescaled by alpha first): ~3% more work in P·V, about half the error. */
+/* O[r][:] += sum_{i < ni} A[i * si + r * sr] * X[i][:] for MRX rows and NVX*VW columns, the
+ * register-blocked product both P·V (A = P[key][lane]: si = ldp, sr = 1) and the backward's
+ * Pᵀ·X for dK/dV (A = a tile's rows: si = 1, sr = FA_BWD_LDS, fa_bwd_tiles.h) use; inlined,
+ * the strides are the callers' constants or loop invariants, as in their own copies before.
+ * Summation order matters for float32: one register accumulator per output running over all
+ * keys made the error grow like sqrt(S) (3.4x NumPy's at S = 4096).  So the reduction is
+ * summed in chunks of FA_PV_CHUNK into fresh registers and each chunk is added to O in memory:
+ * ~3% more work, about half the error. */
 #define FA_PV_CHUNK 32
+FA_INL void FN(fa_acc_tile_)(const int MRX, const int NVX, const FA_T *A, ptrdiff_t si,
+                             ptrdiff_t sr, ptrdiff_t ni, const FA_T *X, ptrdiff_t ldx, FA_T *O,
+                             ptrdiff_t ldo)
+{
+    for (ptrdiff_t i0 = 0; i0 < ni; i0 += FA_PV_CHUNK) {
+        const ptrdiff_t i1 = ni - i0 < FA_PV_CHUNK ? ni : i0 + FA_PV_CHUNK;
+        VT acc[FA_MR][2 * FA_NV];
+#pragma GCC unroll 16
+        for (int r = 0; r < MRX; r++)
+#pragma GCC unroll 8
+            for (int v = 0; v < NVX; v++) acc[r][v] = BC(0);
+        for (ptrdiff_t i = i0; i < i1; i++) {
+            VT b[2 * FA_NV];
+#pragma GCC unroll 8
+            for (int v = 0; v < NVX; v++) b[v] = LD(X + i * ldx + v * FA_VW);
+#pragma GCC unroll 16
+            for (int r = 0; r < MRX; r++) {
+                VT a = BC(A[i * si + r * sr]);
+#pragma GCC unroll 8
+                for (int v = 0; v < NVX; v++) acc[r][v] += a * b[v];
+            }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < MRX; r++)
+#pragma GCC unroll 8
+            for (int v = 0; v < NVX; v++)
+                ST(O + r * ldo + v * FA_VW, LD(O + r * ldo + v * FA_VW) + acc[r][v]);
+    }
+}
+
+/* The same for columns [c, C) one at a time (fewer than VW left: odd head dims), in the same
+ * chunked order; O[r] is first scaled by alpha[r] (alpha NULL: not scaled). */
+FA_INL void FN(fa_acc_cols_)(const int MRX, const FA_T *A, ptrdiff_t si, ptrdiff_t sr,
+                             ptrdiff_t ni, const FA_T *X, ptrdiff_t ldx, ptrdiff_t c,
+                             ptrdiff_t C, FA_T *O, ptrdiff_t ldo, const FA_T *alpha)
+{
+    for (int r = 0; r < MRX; r++) {
+        FA_T *o = O + r * ldo;
+        for (ptrdiff_t cc = c; cc < C; cc++) {
+            FA_T tot = alpha ? o[cc] * alpha[r] : o[cc];
+            for (ptrdiff_t i0 = 0; i0 < ni; i0 += FA_PV_CHUNK) {
+                FA_T acc = 0;
+                for (ptrdiff_t i = i0; i < ni && i < i0 + FA_PV_CHUNK; i++)
+                    acc += A[i * si + r * sr] * X[i * ldx + cc];
+                tot += acc;
+            }
+            o[cc] = tot;
+        }
+    }
+}
+
+/* O[r][:] = alpha[r]*O[r][:] + sum_j P[j][r] * V[j][:] for MRX query rows and NVX*VW
+ * columns (O rescaled by alpha first, then the chunked sums of fa_acc_tile_). */
 FA_INL void FN(fa_pv_tile_)(const int MRX, const int NVX, const FA_T *P, ptrdiff_t ldp,
                             ptrdiff_t n, const FA_T *V, ptrdiff_t ldv, FA_T *O, ptrdiff_t ldo,
                             const FA_T *alpha)
@@ -176,30 +232,7 @@ FA_INL void FN(fa_pv_tile_)(const int MRX, const int NVX, const FA_T *P, ptrdiff
         for (int v = 0; v < NVX; v++)
             ST(O + r * ldo + v * FA_VW, LD(O + r * ldo + v * FA_VW) * a);
     }
-    for (ptrdiff_t j0 = 0; j0 < n; j0 += FA_PV_CHUNK) {
-        const ptrdiff_t j1 = n - j0 < FA_PV_CHUNK ? n : j0 + FA_PV_CHUNK;
-        VT acc[FA_MR][2 * FA_NV];
-#pragma GCC unroll 16
-        for (int r = 0; r < MRX; r++)
-#pragma GCC unroll 8
-            for (int v = 0; v < NVX; v++) acc[r][v] = BC(0);
-        for (ptrdiff_t j = j0; j < j1; j++) {
-            VT b[2 * FA_NV];
-#pragma GCC unroll 8
-            for (int v = 0; v < NVX; v++) b[v] = LD(V + j * ldv + v * FA_VW);
-#pragma GCC unroll 16
-            for (int r = 0; r < MRX; r++) {
-                VT p = BC(P[j * ldp + r]);
-#pragma GCC unroll 8
-                for (int v = 0; v < NVX; v++) acc[r][v] += p * b[v];
-            }
-        }
-#pragma GCC unroll 16
-        for (int r = 0; r < MRX; r++)
-#pragma GCC unroll 8
-            for (int v = 0; v < NVX; v++)
-                ST(O + r * ldo + v * FA_VW, LD(O + r * ldo + v * FA_VW) + acc[r][v]);
-    }
+    FN(fa_acc_tile_)(MRX, NVX, P, ldp, 1, n, V, ldv, O, ldo);
 }
 
 FA_INL void FN(fa_pv_rows_)(const int MRX, const FA_T *P, ptrdiff_t ldp, ptrdiff_t n,
@@ -211,21 +244,8 @@ FA_INL void FN(fa_pv_rows_)(const int MRX, const FA_T *P, ptrdiff_t ldp, ptrdiff
         FN(fa_pv_tile_)(MRX, FA_NV, P, ldp, n, V + c, ldv, O + c, ldo, alpha);
     for (; c + FA_VW <= Ev; c += FA_VW)
         FN(fa_pv_tile_)(MRX, 1, P, ldp, n, V + c, ldv, O + c, ldo, alpha);
-    if (c < Ev) {  /* fewer than VW columns left (odd head dims): scalar */
-        for (int r = 0; r < MRX; r++) {
-            FA_T *o = O + r * ldo;
-            for (ptrdiff_t cc = c; cc < Ev; cc++) {
-                FA_T tot = o[cc] * alpha[r];
-                for (ptrdiff_t j0 = 0; j0 < n; j0 += FA_PV_CHUNK) {
-                    FA_T acc = 0;
-                    for (ptrdiff_t j = j0; j < n && j < j0 + FA_PV_CHUNK; j++)
-                        acc += P[j * ldp + r] * V[j * ldv + cc];
-                    tot += acc;
-                }
-                o[cc] = tot;
-            }
-        }
-    }
+    if (c < Ev)   /* fewer than VW columns left (odd head dims): scalar */
+        FN(fa_acc_cols_)(MRX, P, ldp, 1, n, V, ldv, c, Ev, O, ldo, alpha);
 }
 
 /* Rows [0, rows) in tiles of FA_MR, then FA_MR/3.  Lanes up to round_up(rows, FA_MR/3) are

@@ -114,7 +114,6 @@ static const FA_CAT(fa_ops_, FA_TS) FA_CAT(fa_ops_, FA_SFX) = {
 #undef MRT
 #undef FA_PV_CHUNK
 #undef FA_QK_CHUNK
-#undef FA_PTQ_MAXR
 #undef VTH
 #undef VD
 #undef FA_LOHALF
