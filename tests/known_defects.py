@@ -12,11 +12,15 @@ KNOWN_DEFECTS = {
     ("cython", "backward_softcap_large_scores"):
         "found by the fuzzer: cython's float32 backward with softcap and large scores is just "
         "outside the 2x rule (dk error 4.1e-4 vs bound 1.9e-4: q (1,1,5,1), k (1,1,40,1), "
-        "scale=1000, softcap=0.5, causal bottom_right, ALiBi, dropout 0.2). Only in the AVX2 / "
-        "AVX-512 copies: the generic copy gives 1.7e-6, and the same build with "
-        "-ffp-contract=off on fa_alibi alone 3.7e-5 (its s -= slope * d contracted to an FMA "
-        "is what differs); an exact s - lse in P and dS rounded once in double did not help "
-        "(2.8e-4). Which downstream step the single rounding upsets is not understood yet",
+        "scale=1000, softcap=0.5, causal bottom_right, ALiBi, dropout 0.2; fuzz seed 10727). "
+        "Only the AVX2 / AVX-512 copies (generic 1.7e-6): the one key with a gradient (k "
+        "subnormal, every other score saturated) has s ~ 1e-35, and slope * d lies exactly "
+        "halfway between two floats for rows 0 and 3; fa_alibi's FMA rounds s - slope * d "
+        "correctly, i.e. by the sign of s = scale * q_i * k_j, so those rows' 0.5-ulp errors "
+        "follow sign(q_i) and add up in dk_j = sum_i dS_ij q_i (the naive's ties-to-even "
+        "happened to cancel). Not fixed: rounding the bias separately (fp-contract=off on "
+        "fa_alibi: 3.7e-5) would make the scores less exact to fit one oracle; an exact "
+        "s - lse in P and dS rounded once in double did not help (2.8e-4)",
     ("numba", "backward_softcap_large_scores"):
         "found by the fuzzer once numba's large_scores entry went: the same case as cython's "
         "entry of this name (q (1,1,5,1), k (1,1,40,1), float32, scale=1000, softcap=0.5, causal "
