@@ -595,24 +595,18 @@ def test_backward_masked_value_of_a_keyless_batch(K, level, bad):
 # the partial-keys backward (issue 17: has_delta; k/v a part of the keys, lse and D given)
 # ----------------------------------------------------------------------------------------------
 def key_part(p, c0, c1):
-    """The Problem of keys [c0, c1) of p, positions kept global (as fastattn.dask's tiles): the
-    band's q_offset moves by -c0, and where that leaves the range in which the part's own
-    "unbounded" L + S + 1 is unbounded, to the nearest end of it with the bounded sides moved
-    along (the same constraints); the dropout hash's key column starts at c0; a mask is
-    sliced."""
+    """The Problem of keys [c0, c1) of p, positions kept global as fastattn.dask's tiles keep
+    them (fastattn._parts.tile_band: the band's q_offset moves by -c0, into the range where the
+    part's own L + S + 1 is unbounded, the bounded sides along); the dropout hash's key column
+    starts at c0; a mask is sliced."""
     import dataclasses
 
-    from fastattn._inputs import Band
-    L, Sc, b = p.q.shape[2], c1 - c0, p.band
-    unb = L + Sc + 1
-    q_off = b.q_offset - c0
-    lo = None if b.left >= b.unbounded else q_off - b.left      # row i's keys: [i + lo, i + hi]
-    hi = None if b.right >= b.unbounded else q_off + b.right
-    lo = None if lo is not None and lo <= -(L - 1) else lo
-    hi = None if hi is not None and hi >= Sc - 1 else hi
-    q_new = min(max(q_off, -(L - 1)), Sc - 1)
-    assert q_new == q_off or p.alibi is None                    # ALiBi reads q_offset
-    band = Band(q_new, unb if lo is None else q_new - lo, unb if hi is None else hi - q_new, unb)
+    from fastattn import _parts
+    b = p.band
+    band = (b.q_offset, None if b.left >= b.unbounded else b.left,
+            None if b.right >= b.unbounded else b.right)
+    band, shift = _parts.tile_band(band, 0, c0, p.q.shape[2], c1 - c0)
+    assert shift == 0 or p.alibi is None                        # ALiBi reads q_offset
     mask = None if p.mask is None or p.mask.shape[3] == 1 else np.ascontiguousarray(p.mask[..., c0:c1])
     mask = p.mask if mask is None else mask
     part = dataclasses.replace(p, k=np.ascontiguousarray(p.k[:, :, c0:c1]),
