@@ -470,8 +470,14 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
                       None if mask is None else mask.block(bidx, hb, li, si),
                       _alibi_piece(alibi_slopes, batch_shape, bsl, hs),
                       None if sinks is None else np.asarray(sinks)[hs], opts, tile, keys_part)
-        dq_parts.setdefault(row, []).append((_pick, key, 0))
-        dkv_parts.setdefault(bidx + (hb, si), []).append(key)
+        # each gradient its own key: a reduction then pulls (and keeps alive) only the part
+        # it sums, not the tile's three gradients together
+        picks = []
+        for j, part in enumerate(("-tdq", "-tdk", "-tdv")):
+            picks.append((name + part,) + bidx + (hb, li, si))
+            layer[picks[-1]] = (_pick, key, j)
+        dq_parts.setdefault(row, []).append(picks[0])
+        dkv_parts.setdefault(bidx + (hb, si), []).append(picks[1:])
     ds_parts = []
     for bidx, hb in lay.blocks():
         hs = _slices((q.chunks[nb],), (hb,))[0]
@@ -488,8 +494,7 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
             col = bidx + (hb, si)
             tiles = dkv_parts.get(col)
             for j, (x, nm) in enumerate(((k, "-dk"), (v, "-dv"))):
-                _reduce(layer, name + nm, col, None if tiles is None else
-                        [(_pick, t, j + 1) for t in tiles],
+                _reduce(layer, name + nm, col, None if tiles is None else [t[j] for t in tiles],
                         tuple(c[i] for c, i in zip(x.chunks, col + (0,))), x.dtype)
     deps = [g, q, k, v, o, s] + ([] if mask is None else [mask.arr])
     dq = _array(layer, name + "-dq", q.chunks, lay.dtype, deps)
