@@ -33,6 +33,7 @@ ctypedef struct Work:                # per-thread scratch, one buffer (fa_scratc
     char *kpad                       # last partial strip of K rows, [MR][E]
     char *kbuf                       # a block's K rows gathered across pages, [Bk][E] (paged)
     char *vbuf                       #   and its V rows, [Bk][Ev]
+    size_t stride                    # bytes from one Work to the next (work_new_n)
     int64_t *pos                     # query position (i + q_offset) per lane
     int64_t *moff                    # mask offset of row (b, h, i) per lane
     int64_t *orow                    # global query row (b*Hq + h)*L + i per lane
@@ -46,6 +47,16 @@ cdef inline size_t _al(size_t x) noexcept nogil:
     return (x + 63) & ~(<size_t>63)
 
 cdef Work *work_new(AttnProblem *p, floating *dummy) noexcept nogil:
+    return work_new_n(p, dummy, 1)
+
+
+cdef inline Work *work_at(Work *w, ptrdiff_t i) noexcept nogil:
+    """Work i of the n that work_new_n carved from one buffer."""
+    return <Work *>(<char *>w + i * w.stride)
+
+
+cdef Work *work_new_n(AttnProblem *p, floating *dummy, ptrdiff_t n) noexcept nogil:
+    """n Works (work_at(w, i)) in the calling thread's one scratch buffer."""
     cdef size_t t = sizeof(floating)
     cdef ptrdiff_t mr = k_mr(dummy)
     cdef size_t sz[16]
@@ -60,18 +71,25 @@ cdef Work *work_new(AttnProblem *p, floating *dummy) noexcept nogil:
     sz[13] = _al(sizeof(Work))
     sz[14] = _al(p.Bk * p.E * t) if p.page_size else 0
     sz[15] = _al(p.Bk * p.Ev * t) if p.page_size else 0
-    cdef size_t total = 64, i
+    cdef size_t total = 0, i
     for i in range(16):
         total += sz[i]
-    cdef char *base = <char *>fa_scratch_get(total)
+    cdef char *base = <char *>fa_scratch_get(64 + n * total)
     if base == NULL:
         return NULL
+    cdef char *c0 = <char *>(((<size_t>base) + 63) & ~(<size_t>63))
+    cdef ptrdiff_t iw
+    for iw in range(n):
+        work_carve(<Work *>(c0 + iw * total), base, sz, total)
+    return <Work *>c0
+
+
+cdef void work_carve(Work *w, char *base, size_t *sz, size_t total) noexcept nogil:
     # Not zeroed as a whole: every buffer is written before it is read (Qt/m/l/O per item,
     # S by fa_qk/fa_qk_dot, alpha by softmax).  Only the small per-lane arrays are cleared.
-    cdef char *c = <char *>(((<size_t>base) + 63) & ~(<size_t>63))
-    cdef Work *w = <Work *>c
-    c += sz[13]
+    cdef char *c = <char *>w + sz[13]
     w.base = base
+    w.stride = total
     w.Qt = c; c += sz[0]
     w.S = c; c += sz[1]
     w.O = c; c += sz[2]
@@ -89,7 +107,6 @@ cdef Work *work_new(AttnProblem *p, floating *dummy) noexcept nogil:
     w.vbuf = c
     memset(w.slope, 0, sz[7])
     memset(w.pos, 0, sz[9] + sz[10] + sz[11] + sz[12])
-    return w
 
 cdef inline void work_free(Work *w) noexcept nogil:
     if w != NULL:
@@ -242,8 +259,21 @@ cdef void attend_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, ptr
                       int64_t jlo, int64_t jhi, int64_t pmin, int64_t pmax,
                       int uniform) noexcept nogil:
     """Run keys [jlo, jhi) of kv head (b, hk) against the started lanes (start_rows), block
-    by block (each block's K/V rows: block_kv).  pmin/pmax: the lanes' smallest and largest
-    query position."""
+    by block (attend_block).  pmin/pmax: the lanes' smallest and largest query position."""
+    cdef int64_t j0 = jlo
+    cdef ptrdiff_t n
+    while j0 < jhi:
+        n = p.Bk if jhi - j0 > p.Bk else jhi - j0
+        attend_block(p, w, dummy, b, hk, j0, n,
+                     min(p.Bk, jhi - j0 - n) if p.prefetch else 0, pmin, pmax, uniform)
+        j0 += n
+
+
+cdef void attend_block(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, ptrdiff_t hk,
+                       int64_t j0, ptrdiff_t n, ptrdiff_t n2, int64_t pmin, int64_t pmax,
+                       int uniform) noexcept nogil:
+    """Keys [j0, j0 + n) of kv head (b, hk) against the started lanes (their K/V rows:
+    block_kv); n2: keys of the next block to prefetch meanwhile (0: none)."""
     cdef ptrdiff_t rows = w.rows, W = w.W
     cdef int pw_nv = w.pw_nv
     cdef bint dot = w.dot
@@ -252,70 +282,65 @@ cdef void attend_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, ptr
     cdef ptrdiff_t ldk, ldv
     cdef floating *S = <floating *>w.S
     cdef floating *cmax = <floating *>w.cmax
-    cdef ptrdiff_t E = p.E, Ev = p.Ev, lds = p.lds, n, i
-    cdef int64_t j0 = jlo
+    cdef ptrdiff_t E = p.E, Ev = p.Ev, lds = p.lds, i
     cdef bint win_partial, masked, clean, exact
-    cdef ptrdiff_t n2, s0, ns
-    while j0 < jhi:
-        n = p.Bk if jhi - j0 > p.Bk else jhi - j0
-        n2 = min(p.Bk, jhi - j0 - n) if p.prefetch else 0   # next block, fetched meanwhile
-        block_kv(p, w, dummy, b, hk, j0, n, &K, &V, &ldk, &ldv)
-        # does the window/causal band cut through this block for some lane?
-        win_partial = j0 < pmax - p.wl or j0 + n - 1 > pmin + p.wr
-        masked = p.mask_kind != 0 or win_partial
-        clean = not masked and p.softcap == 0 and not p.has_alibi
-        for i in range(W):
-            cmax[i] = -INFINITY
-        # Scores in slices of tune.pf_qk keys, each followed by the prefetch of the same slice of
-        # the next block's K (decode only): spread over the compute, the prefetches keep DRAM
-        # busy while the core works, where one burst per block stalled the core on full
-        # fill buffers and left the memory idle during the compute after it.
-        s0 = 0
-        while s0 < n:
-            ns = min(p.tune.pf_qk if n2 > 0 else n, n - s0)
-            if dot:
-                k_qk_dot(K + s0 * ldk, ldk, ns, E, <const floating *>w.Qt, round_up(E, 16),
-                         <int>rows, S + s0 * lds, lds, p.scale)
-            else:
-                k_qk(K + s0 * ldk, ldk, ns, E, <const floating *>w.Qt, W, pw_nv,
-                     S + s0 * lds, lds, cmax if clean else NULL, <floating *>w.kpad, p.scale)
-            if s0 < n2:
-                prefetch_keys(p, dummy, b, hk, j0 + n + s0, min(ns, n2 - s0), False)
-            s0 += ns
-        if dot or not clean:
-            # spec order: softcap, ALiBi, float mask, bool mask, window (the last three
-            # replace by -inf, so NaN scores of masked keys cannot survive)
-            if p.softcap > 0:
-                k_softcap(S, lds, n, W, p.softcap)
-            if p.has_alibi:
-                k_alibi(S, lds, n, W, j0, w.pos, <const floating *>w.slope)
-            if p.mask_kind == 2:
-                k_maskf(S, lds, n, W, j0, <const floating *>p.mask_f, w.moff, p.msj, uniform)
-            elif p.mask_kind == 1:
-                k_maskb(S, lds, n, W, j0, p.mask_b, w.moff, p.msj, uniform)
-            if win_partial:
-                k_window(S, lds, n, W, j0, w.pos, p.wl, p.wr)
-            k_colmax(S, lds, n, W, cmax)
-        k_softmax(S, lds, n, W, cmax, <floating *>w.m, <floating *>w.l, <floating *>w.alpha)
-        if p.has_dropout:
-            k_dropout(S, lds, n, W, j0 + p.drop_col0, w.rk, p.thresh)
-        # 0 * NaN = NaN in the tile product: when some weight may be an exact 0 (masking,
-        # dropout) and this V block holds Inf/NaN, take the zero-skipping path.
-        exact = (masked or p.has_dropout) and not rows_allfinite(V, ldv, n, Ev)
-        # P·V likewise in slices of tune.pf_pv keys (a multiple of the kernels' 32-key summation
-        # chunk, so the sums and their order are those of one call); alpha rescales O once.
-        s0 = 0
-        while s0 < n:
-            ns = min(p.tune.pf_pv if n2 > 0 else n, n - s0)
-            k_pv(S + s0 * lds, lds, ns, V + s0 * ldv, ldv, Ev, <floating *>w.O, p.ldo,
-                 <const floating *>w.alpha, rows, exact)
-            if s0 < n2:
-                prefetch_keys(p, dummy, b, hk, j0 + n + s0, min(ns, n2 - s0), True)
-            s0 += ns
-            if s0 < n:
-                for i in range(p.Wcap):
-                    (<floating *>w.alpha)[i] = 1
-        j0 += n
+    cdef ptrdiff_t s0, ns
+    block_kv(p, w, dummy, b, hk, j0, n, &K, &V, &ldk, &ldv)
+    # does the window/causal band cut through this block for some lane?
+    win_partial = j0 < pmax - p.wl or j0 + n - 1 > pmin + p.wr
+    masked = p.mask_kind != 0 or win_partial
+    clean = not masked and p.softcap == 0 and not p.has_alibi
+    for i in range(W):
+        cmax[i] = -INFINITY
+    # Scores in slices of tune.pf_qk keys, each followed by the prefetch of the same slice of
+    # the next block's K (decode only): spread over the compute, the prefetches keep DRAM
+    # busy while the core works, where one burst per block stalled the core on full
+    # fill buffers and left the memory idle during the compute after it.
+    s0 = 0
+    while s0 < n:
+        ns = min(p.tune.pf_qk if n2 > 0 else n, n - s0)
+        if dot:
+            k_qk_dot(K + s0 * ldk, ldk, ns, E, <const floating *>w.Qt, round_up(E, 16),
+                     <int>rows, S + s0 * lds, lds, p.scale)
+        else:
+            k_qk(K + s0 * ldk, ldk, ns, E, <const floating *>w.Qt, W, pw_nv,
+                 S + s0 * lds, lds, cmax if clean else NULL, <floating *>w.kpad, p.scale)
+        if s0 < n2:
+            prefetch_keys(p, dummy, b, hk, j0 + n + s0, min(ns, n2 - s0), False)
+        s0 += ns
+    if dot or not clean:
+        # spec order: softcap, ALiBi, float mask, bool mask, window (the last three
+        # replace by -inf, so NaN scores of masked keys cannot survive)
+        if p.softcap > 0:
+            k_softcap(S, lds, n, W, p.softcap)
+        if p.has_alibi:
+            k_alibi(S, lds, n, W, j0, w.pos, <const floating *>w.slope)
+        if p.mask_kind == 2:
+            k_maskf(S, lds, n, W, j0, <const floating *>p.mask_f, w.moff, p.msj, uniform)
+        elif p.mask_kind == 1:
+            k_maskb(S, lds, n, W, j0, p.mask_b, w.moff, p.msj, uniform)
+        if win_partial:
+            k_window(S, lds, n, W, j0, w.pos, p.wl, p.wr)
+        k_colmax(S, lds, n, W, cmax)
+    k_softmax(S, lds, n, W, cmax, <floating *>w.m, <floating *>w.l, <floating *>w.alpha)
+    if p.has_dropout:
+        k_dropout(S, lds, n, W, j0 + p.drop_col0, w.rk, p.thresh)
+    # 0 * NaN = NaN in the tile product: when some weight may be an exact 0 (masking,
+    # dropout) and this V block holds Inf/NaN, take the zero-skipping path.
+    exact = (masked or p.has_dropout) and not rows_allfinite(V, ldv, n, Ev)
+    # P·V likewise in slices of tune.pf_pv keys (a multiple of the kernels' 32-key summation
+    # chunk, so the sums and their order are those of one call); alpha rescales O once.
+    s0 = 0
+    while s0 < n:
+        ns = min(p.tune.pf_pv if n2 > 0 else n, n - s0)
+        k_pv(S + s0 * lds, lds, ns, V + s0 * ldv, ldv, Ev, <floating *>w.O, p.ldo,
+             <const floating *>w.alpha, rows, exact)
+        if s0 < n2:
+            prefetch_keys(p, dummy, b, hk, j0 + n + s0, min(ns, n2 - s0), True)
+        s0 += ns
+        if s0 < n:
+            for i in range(p.Wcap):
+                (<floating *>w.alpha)[i] = 1
 
 
 cdef inline double sink_fold(double sink, double *m, double *l) noexcept nogil:
