@@ -196,13 +196,24 @@ static inline int fa_geometry(int is_float, int which)
     return which == 0 ? FA_OPS_D->vw : which == 1 ? FA_OPS_D->mr : which == 2 ? FA_OPS_D->nv
                                                                 : FA_OPS_D->qk_dot != NULL;
 }
-/* Prefetch [p, p + bytes) toward L2.  attend_rows issues it for the NEXT key block (K and V
- * rows of consecutive keys are contiguous) while the current one is computed: the decode
- * path streams K/V from DRAM and stalls on it otherwise. */
+/* Prefetch [p, p + bytes) toward L2.  attend_block issues it for the NEXT key block while the
+ * current one is computed: the decode path streams K/V from DRAM and stalls on it otherwise.
+ *
+ * On x86 with GCC/clang the prefetch is a volatile asm statement, not __builtin_prefetch: gcc
+ * 12 -O3 deleted the whole __builtin_prefetch loop once it was inlined through
+ * prefetch_keys/prefetch_rows (forward.pxi) into attend_block (a loop whose only statements are
+ * prefetches counts as removable there; reproduced in a 15-line file), which made the GQA
+ * decode (32/8 heads, d=128, S=16384) 1.4x slower with no other sign.  A volatile asm is never
+ * removed; objdump of the built extension shows the prefetcht1 in attend_block again. */
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#define FA_PREFETCH_L2(addr) __asm__ __volatile__("prefetcht1 %0" : : "m"(*(const char *)(addr)))
+#else
+#define FA_PREFETCH_L2(addr) __builtin_prefetch((addr), 0, 2)
+#endif
 static inline void fa_prefetch(const void *p, ptrdiff_t bytes)
 {
     const char *c = (const char *)p;
-    for (ptrdiff_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);
+    for (ptrdiff_t o = 0; o < bytes; o += 64) FA_PREFETCH_L2(c + o);
 }
 
 /* set from os.register_at_fork(after_in_child=...): libgomp's thread pool does not survive
