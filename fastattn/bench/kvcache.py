@@ -52,13 +52,19 @@ def _interleaved(fns: dict, rounds: int) -> dict:
     return times
 
 
+def _sig(x: float) -> float:
+    """x to 3 significant digits. Not round(x, 2): a tiny-size run on a loaded machine (the
+    plumbing test) moves < 0.005 GB/s, which rounded to 2 decimals reads as a rate of 0."""
+    return float(f"{x:.3g}")
+
+
 def _ratio(times: dict, a: str, b: str) -> float:
     """Median over rounds of time(a) / time(b)."""
-    return round(statistics.median(x / y for x, y in zip(times[a], times[b])), 3)
+    return _sig(statistics.median(x / y for x, y in zip(times[a], times[b])))
 
 
 def _ms(times: dict) -> dict:
-    return {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()}
+    return {k: _sig(statistics.median(v) * 1e3) for k, v in times.items()}
 
 
 def ragged_prefill(torch, rounds: int, lens=RAGGED_LENS, H=None, d=None) -> dict:
@@ -157,15 +163,15 @@ def ragged_decode(torch, rounds: int, B=None, lo=None, hi=None, Hq=None, Hkv=Non
     bw = probe_m.nbytes / statistics.median(times[PROBE])
     rec = {"row": f"decode, B={B}, lengths {lens.tolist()}, Hq={Hq}, Hkv={Hkv}, d={d}, "
                   f"page {page}", "ms": _ms(times), "bytes_needed": need,
-           "read_bandwidth_gbytes_per_s": round(bw / 1e9, 2)}
+           "read_bandwidth_gbytes_per_s": _sig(bw / 1e9)}
     for name, ts in times.items():
         if name == PROBE:
             continue
         # per round: (bytes needed / its time) / (probe bytes / the probe's time)
         share = statistics.median((need / t) / (probe_m.nbytes / p)
                                   for p, t in zip(times[PROBE], ts))
-        rec[name] = {"gbytes_per_s": round(need / statistics.median(ts) / 1e9, 2),
-                     "of_read_bandwidth": float(f"{share:.3g}")}
+        rec[name] = {"gbytes_per_s": _sig(need / statistics.median(ts) / 1e9),
+                     "of_read_bandwidth": _sig(share)}
     if torch is not None:
         for name in ("fastattn contiguous", "fastattn paged"):
             rec[f"torch_vs_{name.split()[1]}"] = _ratio(times, "torch padded + mask", name)
