@@ -507,6 +507,20 @@ def for_kernels(p: Problem) -> tuple[Problem, float | None]:
     return dataclasses.replace(p, q=q0, scale=1.0), 0.0
 
 
+def dq_from_kernels(dq: np.ndarray, dq_factor: float | None) -> np.ndarray:
+    """The gradient w.r.t. the caller's q from the kernels' dq w.r.t. for_kernels' q.
+
+    For scale = 0 the true dq is 0 * (a sum of finite terms), i.e. 0, wherever no NaN/Inf took
+    part (then the kernels' dq is already NaN, and stays NaN). The kernels sum at scale 1, which
+    can overflow to inf for large finite k and v (float32 v ~ 1e30, k ~ 1e10: dq ~ 1e41), and
+    inf * 0 would be NaN: an inf there is an overflow, not an Inf input, so it gives 0."""
+    if dq_factor is None:
+        return dq
+    if dq_factor == 0:
+        return np.where(np.isinf(dq), dq.dtype.type(0), dq) * dq.dtype.type(0)
+    return dq * dq.dtype.type(dq_factor)
+
+
 def make_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                  enable_gqa=False, *, causal_alignment="top_left", window=None, softcap=None,
                  alibi_slopes=None, sinks=None, rng=None,

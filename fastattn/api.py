@@ -13,8 +13,8 @@ import numpy as np
 from . import _backends, _fastpath, _parts
 from ._backends.numpy_ import safe_matmul
 from ._inputs import (as_float_array, check_backward_rng, check_same_dtype, check_scale,
-                      check_window, compute_dtype, describe, for_kernels, lse_dtype,
-                      make_problem, native_byte_order)
+                      check_window, compute_dtype, describe, dq_from_kernels, for_kernels,
+                      lse_dtype, make_problem, native_byte_order)
 
 __all__ = ["scaled_dot_product_attention", "scaled_dot_product_attention_backward", "merge_attention", "softmax", "attention", "multihead",
            "split_heads", "merge_heads"]
@@ -198,9 +198,7 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
         be = _numpy()
     dq, dk, dv, ds = be.backward(p, dout, fwd_out, lse_k)
     dsinks = ds if dsinks is None else dsinks
-    if dq_factor is not None:
-        with np.errstate(invalid="ignore"):   # inf * 0 = NaN, as the unrewritten math gives
-            dq = dq * p.dtype.type(dq_factor)  # the kernels' q was -q (or q * 0): chain rule
+    dq = dq_from_kernels(dq, dq_factor)  # the kernels' q was -q (or q * 0): chain rule
     shapes = (np.shape(query), np.shape(key), np.shape(value))
     with np.errstate(over="ignore"):     # float16 beyond 65504 is inf, as in torch
         grads = tuple(g.astype(p.in_dtype, copy=False).reshape(s)

@@ -50,8 +50,8 @@ except ImportError as exc:  # pragma: no cover - only without the extra
 from . import _backends, _parts
 from . import api as _api
 from ._inputs import (ALIGNMENTS, check_attn_mask, check_backward_rng, check_dropout,
-                      check_window, compute_dtype, dropout_seed, for_kernels, lse_dtype,
-                      make_problem)
+                      check_window, compute_dtype, dq_from_kernels, dropout_seed, for_kernels,
+                      lse_dtype, make_problem)
 
 __all__ = ["scaled_dot_product_attention", "scaled_dot_product_attention_backward"]
 
@@ -134,9 +134,7 @@ def _tile_backward(dout, q, k, v, out, lse, mask, alibi, sinks, opts, tile, keys
                                  f"the last key (L > S) are not supported yet")
             p.sinks = p.sinks + c[0, :, 0].astype(p.dtype)
     dq, dk, dv, _ = _backend(p, "backward", opts).backward(p, g, o, s)
-    if dq_factor is not None:
-        with np.errstate(invalid="ignore"):
-            dq = dq * p.dtype.type(dq_factor)
+    dq = dq_from_kernels(dq, dq_factor)
     return tuple(x.reshape(shape) for x, shape in zip((dq, dk, dv), (q.shape, k.shape, v.shape)))
 
 

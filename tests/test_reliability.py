@@ -96,10 +96,31 @@ def test_zero_scale_gives_uniform_weights(backend, rng, dtype):
     dq, dk, _ = check_grads(q, k, v, g, backend, scale=0.0)
     assert not dq.any() and not dk.any()          # the scores do not depend on q or k
     # 0 * inf = NaN, as in torch: an inf in q makes its row NaN, not uniform
-    skip_known(backend, "nan_in_attended_input")
     q[0, 0, 1, 2] = np.inf
     out = SDPA(q, k, v, scale=0.0, backend=backend)
     assert np.isnan(out[0, 0, 1]).all() and np.isfinite(np.delete(out[0, 0], 1, axis=0)).all()
+
+
+def test_zero_scale_dq_is_zero_when_the_scale_one_sum_overflows(backend, rng):
+    # scale = 0: dq = 0 * sum_j dS_ij k_j = 0 for finite inputs. The kernels compute the sum at
+    # scale 1 (q * 0 and scale 1, same scores), which overflows float32 here (dS ~ |v| ~ 1e30,
+    # k ~ 3e10: ~1e41): inf * 0 gave NaN rows in dq (found by the fuzzer's long profile).
+    q = randn(rng, (1, 2, 3, 4))
+    k = randn(rng, (1, 2, 5, 4), scale=3e10)
+    v = randn(rng, (1, 2, 5, 4), scale=3e30)
+    g = randn(rng, (1, 2, 3, 4))
+    out, lse = SDPA(q, k, v, scale=0.0, return_lse=True, backend=backend)
+    dq, dk, dv = fa.scaled_dot_product_attention_backward(g, q, k, v, out, lse, scale=0.0,
+                                                          backend=backend)
+    assert np.array_equal(dq, np.zeros_like(dq)) and not dk.any()
+    np.testing.assert_allclose(dv, np.broadcast_to(g.sum(axis=2, keepdims=True) / 5, dv.shape),
+                               rtol=1e-5)
+    # an Inf that takes part still gives NaN: k[.., 0, 0] = inf makes every row of head 0 NaN
+    k[0, 0, 0, 0] = np.inf
+    out, lse = SDPA(q, k, v, scale=0.0, return_lse=True, backend=backend)
+    dq = fa.scaled_dot_product_attention_backward(g, q, k, v, out, lse, scale=0.0,
+                                                  backend=backend)[0]
+    assert np.isnan(dq[0, 0]).all() and np.array_equal(dq[0, 1], np.zeros_like(dq[0, 1]))
 
 
 def test_positive_scale_bits_unchanged(backend, rng):
