@@ -81,6 +81,21 @@ def alibi_shift(alibi: np.ndarray, shift: int, dtype) -> np.ndarray:
     return (np.asarray(alibi, np.float64) * abs(shift)).astype(dtype)[..., None]
 
 
+def backward_lse(p, shift: int, lse: np.ndarray, fn: str) -> np.ndarray:
+    """The lse a moved tile's backward must be given (and p.sinks, updated in place): its
+    scores exceed the true ones by alibi_shift, so must its lse and the sinks the kernels add
+    to its row sums. Unchanged when shift is 0."""
+    if not shift:
+        return lse
+    c = alibi_shift(p.alibi, shift, lse.dtype)
+    if p.sinks is not None:
+        if c.shape[0] > 1:
+            raise ValueError(f"{fn}: sinks with per-batch alibi_slopes (shape {p.alibi.shape}) "
+                             f"and query rows past the last key are not supported")
+        p.sinks = p.sinks + c[0, :, 0].astype(p.dtype)
+    return lse + c
+
+
 def check_part_of(part_of, L: int, S: int, fn: str) -> tuple:
     """part_of = (query_start, key_start, total_queries, total_keys) as four ints, checked
     against the call's L queries and S keys."""

@@ -183,16 +183,7 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
         p.delta = _parts.row_delta(dout, fwd_out, p.dtype)
         if sinks_c is not None:
             dsinks = _parts.sink_grad(sinks_c, fwd_lse, p.delta)
-    lse_k = fwd_lse
-    if shift:
-        # the moved tile's scores exceed the true ones by this much, and so must its lse
-        c = _parts.alibi_shift(p.alibi, shift, fwd_lse.dtype)
-        lse_k = fwd_lse + c
-        if p.sinks is not None:
-            if c.shape[0] > 1:
-                raise ValueError(f"{fn}: sinks with per-batch alibi_slopes and part_of query "
-                                 f"rows past the last key are not supported")
-            p.sinks = p.sinks + c[0, :, 0].astype(p.dtype)
+    lse_k = _parts.backward_lse(p, shift, fwd_lse, fn)
     be = _backends.resolve(p, "backward", backend)
     if p.is_empty:
         be = _numpy()

@@ -123,16 +123,7 @@ def _tile_backward(dout, q, k, v, out, lse, mask, alibi, sinks, opts, tile, keys
         p.delta = _parts.row_delta(g, o, p.dtype)
     elif sinks is not None:
         p.sinks = np.ascontiguousarray(sinks, p.dtype)
-    if shift:
-        # the moved tile's scores exceed the true ones by c (see _parts.alibi_shift): so must
-        # its lse, and the sinks the kernels add to its row sums
-        c = _parts.alibi_shift(p.alibi, shift, s.dtype)
-        s = s + c
-        if p.sinks is not None:
-            if c.shape[0] > 1:
-                raise ValueError(f"{fn}: sinks with per-batch alibi_slopes and query rows past "
-                                 f"the last key (L > S) are not supported yet")
-            p.sinks = p.sinks + c[0, :, 0].astype(p.dtype)
+    s = _parts.backward_lse(p, shift, s, fn)
     dq, dk, dv, _ = _backend(p, "backward", opts).backward(p, g, o, s)
     dq = dq_from_kernels(dq, dq_factor)
     return tuple(x.reshape(shape) for x, shape in zip((dq, dk, dv), (q.shape, k.shape, v.shape)))

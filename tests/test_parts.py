@@ -269,3 +269,30 @@ def test_part_of_whole_problem_is_the_plain_call():
     a = fa.scaled_dot_product_attention(q, k, v, **kw)
     b = fa.scaled_dot_product_attention(q, k, v, part_of=(0, 0, L, S), **kw)
     assert np.array_equal(a, b)
+
+
+def test_far_query_part_with_alibi_and_sinks():
+    # rows 10..11 of 12 queries against 2 keys: the part's q_offset (10) is moved into the
+    # kernels' range and the ALiBi bias with it (_parts.backward_lse); with per-head slopes the
+    # sinks move with the lse and the gradients are the whole problem's rows; per-batch slopes
+    # cannot be folded into the per-head sinks and are refused, naming both
+    rng = np.random.default_rng(21)
+    q = rng.standard_normal((2, 2, 12, 4))
+    k, v = rng.standard_normal((2, 2, 2, 4)), rng.standard_normal((2, 2, 2, 4))
+    sinks = rng.standard_normal(2)
+    for slopes in (np.array([0.5, 0.25]), np.array([[0.5, 0.25], [0.3, 0.1]])):
+        out, lse = fa.scaled_dot_product_attention(q, k, v, alibi_slopes=slopes, sinks=sinks,
+                                                   return_lse=True)
+        g = rng.standard_normal(out.shape)
+        ref = fa.scaled_dot_product_attention_backward(g, q, k, v, out, lse, alibi_slopes=slopes,
+                                                       sinks=sinks)
+        call = lambda: fa.scaled_dot_product_attention_backward(  # noqa: E731
+            g[:, :, 10:], q[:, :, 10:], k, v, out[:, :, 10:], lse[:, :, 10:],
+            alibi_slopes=slopes, sinks=sinks, part_of=(10, 0, 12, 2))
+        if slopes.ndim == 2:
+            with pytest.raises(ValueError, match=r"sinks with per-batch alibi_slopes \(shape "
+                                                 r"\(2, 2\)\)"):
+                call()
+            continue
+        dq = call()[0]
+        _close(dq, ref[0][:, :, 10:], "dq")
