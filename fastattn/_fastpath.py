@@ -12,8 +12,10 @@ Correctness rests on two things:
 - A plan is made only after the full path accepted the same key, and everything make_problem
   checks is a function of the key (the shapes, dtype and scalars), except the array types and
   layout, which are checked here on every call (exact ndarrays of one native float32/float64
-  dtype; other layouts are made contiguous as make_problem does). Every error therefore still
-  comes from the full path, with its message.
+  dtype; other layouts are made contiguous as make_problem does, except K/V views -- a cache's
+  prefix cache[:, :, :t+1], a (B, S, H, E) cache transposed -- which a backend that reads K/V
+  through the record's strides gets as they are). Every error therefore still comes from the
+  full path, with its message.
 - The backend choice is a function of state outside the call (use_backend, set_backend, the
   environment's reading, the registry, the tuning block), so a plan remembers the state it was
   made under and is used only while that state is the same object for object. A fork() child
@@ -50,7 +52,7 @@ _KEYED = {"q", "k", "v", "scale", "band", "in_dtype", "out_shape", "lse_shape"}
 _OPTION_FIELDS = tuple(f for f in dataclasses.fields(Problem) if f.name not in _KEYED)
 assert all(f.default is not dataclasses.MISSING for f in _OPTION_FIELDS)
 
-# key -> (backend, kernel, record tail, state, out shape, lse shape, lse dtype)
+# key -> (backend, kernel, record tail, state, out shape, lse shape, lse dtype, reads K/V views)
 _plans: dict = {}
 # A decode loop over a growing cache makes one plan per length; the dict is emptied when it
 # gets this big (a plan is rebuilt by one full call).
@@ -101,7 +103,7 @@ def run(pkey, query, key, value):
     plan = _plans.get(pkey)
     if plan is None:
         return None
-    be, kernel, tail, state, out_shape, lse_shape, lse_dt = plan
+    be, kernel, tail, state, out_shape, lse_shape, lse_dt, reads_views = plan
     ctx, proc, settings, tune, reg = state
     if not (_context_choice.get() is ctx and _backends._process_choice is proc
             and _config._settings is settings and _tuning_var.get() is tune
@@ -110,10 +112,47 @@ def run(pkey, query, key, value):
     dt = query.dtype
     out = _empty(out_shape, dt)
     lse = _empty(lse_shape, lse_dt)
+    view_tail = None
+    if reads_views and not (key.flags.c_contiguous and value.flags.c_contiguous):
+        view_tail = _view_tail(tail, key, value)
+    if view_tail is None:                      # copied, as make_problem does
+        key, value = _ascontiguous(key), _ascontiguous(value)
+    else:
+        tail = view_tail
     _pool_state["pool_used"] = True           # _process.note_pool_used(), inline
-    kernel(_new_record(KernelArgs, (_ascontiguous(query), _ascontiguous(key),
-                                    _ascontiguous(value)) + tail), out, lse)
+    kernel(_new_record(KernelArgs, (_ascontiguous(query), key, value) + tail), out, lse)
     return out, lse
+
+
+# positions of the K/V strides in a plan's record tail (the record without q, k, v)
+_K_STRIDES = KernelArgs._fields.index("k_strides") - 3
+_V_STRIDES = KernelArgs._fields.index("v_strides") - 3
+
+
+def _view_strides(x):
+    """Element strides (b, h, s) of a K or V view the kernels can read in place (aligned, the
+    head_dim axis contiguous, no negative stride), else None."""
+    st = x.strides
+    item = x.itemsize
+    if not x.flags.aligned or (x.shape[3] > 1 and st[3] != item):
+        return None
+    sb, sh, ss = st[0], st[1], st[2]
+    if sb < 0 or sh < 0 or ss < 0 or sb % item or sh % item or ss % item:
+        return None
+    return (sb // item, sh // item, ss // item)
+
+
+def _view_tail(tail, key, value):
+    """The plan's record tail with the strides of K/V views read in place; None when a view
+    cannot be read in place (then both are copied, as make_problem does)."""
+    ks = _view_strides(key)
+    vs = _view_strides(value)
+    if ks is None or vs is None:
+        return None
+    tail = list(tail)
+    tail[_K_STRIDES] = ks
+    tail[_V_STRIDES] = vs
+    return tuple(tail)
 
 
 def forward_and_plan(pkey, p, be):
@@ -130,8 +169,15 @@ def forward_and_plan(pkey, p, be):
     if len(_plans) >= MAX_PLANS:
         _plans.clear()
     _plans[pkey] = (be, kernel, tuple(record[3:]), state, tuple(p.out_shape),
-                    tuple(p.lse_shape), lse_dtype(p.dtype))
+                    tuple(p.lse_shape), lse_dtype(p.dtype), _reads_views(be))
     return out, lse
+
+
+def _reads_views(be) -> bool:
+    """Whether the backend's forward and decode kernels read K/V through the record's strides
+    (a KV cache in place), so a planned call passes a view such as cache[:, :, :t+1] as it is
+    instead of copying it (the copy was most of a small decode step's time)."""
+    return "kv_strides" not in be.unsupported_options
 
 
 def _plannable(pkey, p, be) -> bool:

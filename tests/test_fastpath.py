@@ -153,3 +153,79 @@ def test_tuning_and_environment_are_read_again(compiled, monkeypatch, rng):
         monkeypatch.delenv("FASTATTN_NUM_THREADS")
         fa.reload_environment()
     SDPA(q, k, v)
+
+
+def _views(rng, dtype, B_, H, S, E):
+    """K/V layouts a decode loop or a port from flash-attn passes: name -> (k, v), each (B_, H,
+    S, E) and not C-contiguous."""
+    big = randn(rng, (2, B_, H, S + 9, E), dtype)              # a preallocated cache
+    flash = randn(rng, (2, B_, S, H, E), dtype)                # (B, S, H, E) storage
+    heads = randn(rng, (2, B_, 2 * H, S, E), dtype)
+    one = randn(rng, (2, B_, 1, S, E), dtype)
+    raw = np.zeros(2 * B_ * H * S * E * np.dtype(dtype).itemsize + 8, np.uint8)
+    unaligned = np.frombuffer(raw.data, dtype, 2 * B_ * H * S * E, offset=1).reshape(
+        (2, B_, H, S, E))                                      # not aligned to its itemsize
+    unaligned[...] = randn(rng, unaligned.shape, dtype)
+    return {
+        "cache_prefix": (big[0, :, :, :S], big[1, :, :, :S]),
+        "flash_layout": (flash[0].transpose(0, 2, 1, 3), flash[1].transpose(0, 2, 1, 3)),
+        "every_other_head": (heads[0, :, ::2], heads[1, :, ::2]),
+        "broadcast_head": (np.broadcast_to(one[0], (B_, H, S, E)),
+                           np.broadcast_to(one[1], (B_, H, S, E))),
+        "reversed_keys": (big[0, :, :, S - 1::-1], big[1, :, :, S - 1::-1]),
+        "unaligned": (unaligned[0], unaligned[1]),
+    }
+
+
+VIEW_NAMES = ["cache_prefix", "flash_layout", "every_other_head", "broadcast_head",
+              "reversed_keys", "unaligned"]
+
+
+@pytest.mark.parametrize("backend", ["cython", "numba"])
+@pytest.mark.parametrize("L", [1, 3, 40])
+@pytest.mark.parametrize("view", VIEW_NAMES)
+def test_planned_call_on_kv_views_gives_the_bits_of_contiguous_copies(monkeypatch, rng, backend,
+                                                                     L, view):
+    """A planned call whose K/V are views (a cache's prefix, a flash-layout cache, broadcast or
+    reversed or unaligned storage) equals the same call on C-contiguous copies, bit for bit:
+    read in place where the backend reads strides, copied where it does not or cannot."""
+    if not B.registry[backend].available:
+        pytest.skip(f"{backend}: {B.registry[backend].reason}")
+    _fastpath.clear()
+    dtype = np.float32 if L != 3 else np.float64
+    Bb, H, S, E = 2, 3, 70, 16
+    q = randn(rng, (Bb, H, L, E), dtype)
+    k, v = _views(rng, dtype, Bb, H, S, E)[view]
+    assert not (k.flags.c_contiguous and k.flags.aligned)
+    kc, vc = np.ascontiguousarray(k), np.ascontiguousarray(v)
+    kw = dict(is_causal=True, causal_alignment="bottom_right", backend=backend, return_lse=True)
+    want_out, want_lse = SDPA(q, kc, vc, **kw)                  # full path, makes the plan
+    assert len(_fastpath._plans) == 1
+    no_full_path(monkeypatch)
+    got_out, got_lse = SDPA(q, k, v, **kw)                      # planned, on the views
+    np.testing.assert_array_equal(got_out, want_out)
+    np.testing.assert_array_equal(got_lse, want_lse)
+    _fastpath.clear()
+
+
+def test_a_cache_prefix_is_read_in_place_not_copied(compiled, monkeypatch, rng):
+    """cache[:, :, :t+1] (the decode loop's view) reaches a backend that reads K/V strides as it
+    is: the planned call copies only q."""
+    be = B.resolve(None, "forward")
+    if "kv_strides" in be.unsupported_options:
+        pytest.skip(f"{be.name} reads K/V C-contiguous only")
+    cache = randn(rng, (2, 1, 4, 64, 32), np.float32)
+    q = randn(rng, (1, 4, 1, 32), np.float32)
+    k, v = cache[0, :, :, :20], cache[1, :, :, :20]
+    want = SDPA(q, np.ascontiguousarray(k), np.ascontiguousarray(v))
+    copied = []
+    real = _fastpath._ascontiguous
+
+    def spy(x, *a, **kw):
+        copied.append(x)
+        return real(x, *a, **kw)
+    monkeypatch.setattr(_fastpath, "_ascontiguous", spy)
+    no_full_path(monkeypatch)
+    got = SDPA(q, k, v)
+    np.testing.assert_array_equal(got, want)
+    assert [x is q for x in copied] == [True], "only q goes through ascontiguousarray"
