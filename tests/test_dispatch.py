@@ -207,3 +207,55 @@ def test_source_tree_without_the_extension_says_so(tmp_path):
     where, reason = res.stdout.splitlines()[:2]
     assert where.startswith(str(tmp_path))
     assert "source tree" in reason and "build_ext --inplace" in reason
+
+
+def _keys_attended(L, S, seqlens, q_offset, left, right):
+    """Brute force: the (sequence, key) pairs some query row of the sequence may attend."""
+    n = 0
+    for nb in seqlens:
+        qo = q_offset + nb - S
+        keys = set()
+        for i in range(L):
+            pos = i + qo
+            keys.update(j for j in range(nb) if pos - left <= j <= pos + right)
+        n += len(keys)
+    return n
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_decode_bytes_count_the_keys_in_the_band_not_the_buffer(seed):
+    """The decode thread choice sizes a call by the K/V its rows may attend (a preallocated
+    cache passed whole with window=(0, t), per-sequence lengths, a page pool), not by the
+    arrays' sizes."""
+    from fastattn._backends._compiled import decode_bytes
+    from fastattn._inputs import make_cache_problem, make_problem
+    rng = np.random.default_rng(seed)
+    Bb, Hq, Hkv, E, Ev = 3, 4, 2, 8, 5
+    L, S = int(rng.integers(1, 6)), int(rng.integers(1, 60))
+    left = None if rng.random() < 0.3 else int(rng.integers(0, 70))
+    right = None if rng.random() < 0.3 else int(rng.integers(0, 70))
+    causal = bool(rng.random() < 0.5)
+    q = np.zeros((Bb, Hq, L, E), np.float32)
+    k, v = np.zeros((Bb, Hkv, S, E), np.float32), np.zeros((Bb, Hkv, S, Ev), np.float32)
+    align = "bottom_right" if rng.random() < 0.5 else "top_left"
+    p = make_problem(q, k, v, is_causal=causal, enable_gqa=True, causal_alignment=align,
+                     window=(left, right))
+    b = p.band
+    want = _keys_attended(L, S, [S] * Bb, b.q_offset, b.left, b.right)
+    assert decode_bytes(p) == want * Hkv * (E + Ev) * 4
+    seqlens = rng.integers(0, S + 1, Bb).astype(np.int32)
+    p = make_cache_problem(q, k, v, seqlens=seqlens, is_causal=causal, window=(left, right))
+    b = p.band
+    want = _keys_attended(L, S, seqlens, b.q_offset, b.left, b.right)
+    assert decode_bytes(p) == want * Hkv * (E + Ev) * 4
+
+
+def test_a_small_window_of_a_large_cache_decodes_on_one_thread(monkeypatch):
+    from fastattn._backends._compiled import CompiledBackend
+    from fastattn._inputs import make_problem
+    be = CompiledBackend()
+    monkeypatch.setattr(be, "serial_decode_bytes", 1 << 20)
+    q = np.zeros((1, 12, 1, 64), np.float32)
+    k = np.zeros((1, 12, 4096, 64), np.float32)             # 25 MB of buffer
+    assert be.decode_threads(make_problem(q, k, k), 2) == 2
+    assert be.decode_threads(make_problem(q, k, k, window=(0, 100)), 2) == 1   # 101 keys

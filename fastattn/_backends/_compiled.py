@@ -24,6 +24,24 @@ def use_decode(p) -> bool:
     return L <= DECODE_MAX_ROWS and L * p.group <= DECODE_MAX_ROWS * 4
 
 
+def decode_bytes(p) -> int:
+    """The K/V bytes a decode call reads: the keys inside its rows' band, per sequence (its
+    seqlens), not the buffer -- a decode loop over a preallocated cache passes the whole buffer
+    with window=(0, t), and a paged cache's k is the whole page pool."""
+    L = p.q.shape[2]
+    S = p.n_keys
+    band = p.band
+    lo = band.q_offset - band.left                 # the rows' first and one-past-last key
+    hi = band.q_offset + L + band.right
+    if p.seqlens is None:
+        keys = p.q.shape[0] * max(0, min(S, hi) - max(0, lo))
+    else:
+        n = p.seqlens.astype(np.int64)
+        shift = n - S                              # a sequence's rows sit seqlens[b] - S later
+        keys = int(np.maximum(0, np.minimum(n, hi + shift) - np.maximum(0, lo + shift)).sum())
+    return keys * p.k.shape[1] * (p.k.shape[3] + p.v.shape[3]) * p.k.itemsize
+
+
 class CompiledBackend(Backend):
     ops = ("forward", "backward", "softmax")
     # options the backend's kernels do not implement yet: {Problem attribute: reason}
@@ -43,8 +61,7 @@ class CompiledBackend(Backend):
         """Threads for a decode call: all of them, unless the K/V it reads are few."""
         if self.serial_decode_bytes is None or n_threads == 1:
             return n_threads
-        k, v = p.k, p.v
-        return 1 if k.nbytes + v.nbytes < self.serial_decode_bytes else n_threads
+        return 1 if decode_bytes(p) < self.serial_decode_bytes else n_threads
 
     def not_supported_reasons(self, problem, op):
         reasons = super().not_supported_reasons(problem, op)
