@@ -15,6 +15,7 @@ import numbers
 
 import numpy as np
 
+from . import _kvplan
 from ._inputs import compute_dtype, describe
 from .inference import attention_with_kvcache
 
@@ -60,6 +61,7 @@ class KVCache:
         self.k = np.zeros(shape + (kv_heads, head_dim), self.dtype)
         self.v = np.zeros(shape + (kv_heads, value_dim), self.dtype)
         self.seqlens = np.zeros(self.batch, np.int32)
+        self._plan = None             # the per-token path's plan (fastattn/_kvplan.py)
 
     @property
     def capacity(self) -> int:
@@ -72,10 +74,14 @@ class KVCache:
         """Append k, v (batch, Lnew, kv_heads, dim) at each sequence's end, then attend q
         (batch, Lq, Hq, head_dim) to everything held; options as attention_with_kvcache
         (is_causal=True by default, rotary, window, softcap, ...). Returns what it returns."""
+        result = _kvplan.attend(self, q, k, v, options)     # a decode step: fastattn/_kvplan.py
+        if result is not _kvplan.MISS:
+            return result
         result = attention_with_kvcache(q, self.k, self.v, k, v, cache_seqlens=self.seqlens,
                                         block_table=self.block_table, **options)
         if k is not None:
             self.seqlens += np.int32(np.shape(k)[1])
+        _kvplan.remember(self, q, k, v, options)
         return result
 
     def reset(self) -> None:
