@@ -5,12 +5,14 @@ kernel takes ~1 us; the full path (make_problem's checks, the Problem, resolve, 
 record) costs several times that in Python. So a call that went the full way with options that
 need no per-call array of their own (no mask, softcap, ALiBi, sinks or dropout) leaves a plan:
 the backend, its kernel, and the kernel record without q/k/v. A later call with the same key --
-the shapes, dtype, scale, is_causal, enable_gqa, causal_alignment, window and backend= argument
--- reuses it.
+the shapes except the key count S, dtype, scale, is_causal, enable_gqa, causal_alignment, window
+and backend= argument -- reuses it; a call with another S (a decode loop's growing cache) gets
+the band, K/V strides and decode threads make_problem and the backend would give it.
 
 Correctness rests on two things:
 - A plan is made only after the full path accepted the same key, and everything make_problem
-  checks is a function of the key (the shapes, dtype and scalars), except the array types and
+  checks is a function of the key (the shapes, dtype and scalars; of S only that K and V agree
+  on it and that it is not 0, which run() checks), except the array types and
   layout, which are checked here on every call (exact ndarrays of one native float32/float64
   dtype; other layouts are made contiguous as make_problem does, except K/V views -- a cache's
   prefix cache[:, :, :t+1], a (B, S, H, E) cache transposed -- which a backend that reads K/V
@@ -29,9 +31,9 @@ import os
 import numpy as np
 
 from . import _backends, _config, _process
-from ._backends._compiled import CompiledBackend
+from ._backends._compiled import CompiledBackend, band_keys
 from ._backends._kernel_args import KernelArgs, forward_outputs
-from ._inputs import Problem, lse_dtype
+from ._inputs import Problem, check_window, lse_dtype, make_band
 from . import _tuning
 from ._tuning import current_tuning
 
@@ -52,10 +54,11 @@ _KEYED = {"q", "k", "v", "scale", "band", "in_dtype", "out_shape", "lse_shape"}
 _OPTION_FIELDS = tuple(f for f in dataclasses.fields(Problem) if f.name not in _KEYED)
 assert all(f.default is not dataclasses.MISSING for f in _OPTION_FIELDS)
 
-# key -> (backend, kernel, record tail, state, out shape, lse shape, lse dtype, reads K/V views)
+# key -> (backend, kernel, record tail, state, out shape, lse shape, lse dtype, reads K/V views,
+#         the S of the tail, S -> (band, threads))
 _plans: dict = {}
-# A decode loop over a growing cache makes one plan per length; the dict is emptied when it
-# gets this big (a plan is rebuilt by one full call).
+# A program with many shapes (batch sizes, prompt lengths) makes many plans; the dict is emptied
+# when it gets this big (a plan is rebuilt by one full call).
 MAX_PLANS = 512
 
 
@@ -89,8 +92,11 @@ def plan_key(query, key, value, dropout_p, is_causal, scale, enable_gqa, causal_
         left, right = window
         if not ((left is None or type(left) is int) and (right is None or type(right) is int)):
             return None
-    return (query.shape, key.shape, value.shape, dt is _F64, scale, is_causal, enable_gqa,
-            causal_alignment, window, backend)
+    # S is not in the key: a decode loop over a growing cache reuses one plan (run() gives the
+    # record the band, strides and threads of each call's S)
+    ks, vs = key.shape, value.shape
+    return (query.shape, (ks[0], ks[1], ks[3]), (vs[0], vs[1], vs[3]), dt is _F64, scale,
+            is_causal, enable_gqa, causal_alignment, window, backend)
 
 
 def _state(backend_obj):
@@ -103,30 +109,43 @@ def run(pkey, query, key, value):
     plan = _plans.get(pkey)
     if plan is None:
         return None
-    be, kernel, tail, state, out_shape, lse_shape, lse_dt, reads_views = plan
+    be, kernel, tail, state, out_shape, lse_shape, lse_dt, reads_views, S0, per_S = plan
     ctx, proc, settings, tune, reg = state
     if not (_context_choice.get() is ctx and _backends._process_choice is proc
             and _config._settings is settings and _tuning_var.get() is tune
             and _registry.get(be.name) is be):
         return None
+    S = key.shape[2]
+    if value.shape[2] != S or not S:
+        return None                            # the full path's error, or its empty result
     dt = query.dtype
     out = _empty(out_shape, dt)
     lse = _empty(lse_shape, lse_dt)
-    view_tail = None
+    strides = None
     if reads_views and not (key.flags.c_contiguous and value.flags.c_contiguous):
-        view_tail = _view_tail(tail, key, value)
-    if view_tail is None:                      # copied, as make_problem does
+        ks, vs = _view_strides(key), _view_strides(value)
+        if ks is not None and vs is not None:
+            strides = (ks, vs)
+    if strides is None:                        # copied, as make_problem does
         key, value = _ascontiguous(key), _ascontiguous(value)
-    else:
-        tail = view_tail
+        if S != S0:
+            strides = (_c_strides(key.shape), _c_strides(value.shape))
+    if strides is not None or S != S0:
+        tail = _retail(tail, strides, per_S(S) if S != S0 else None)
     _pool_state["pool_used"] = True           # _process.note_pool_used(), inline
     kernel(_new_record(KernelArgs, (_ascontiguous(query), key, value) + tail), out, lse)
     return out, lse
 
 
-# positions of the K/V strides in a plan's record tail (the record without q, k, v)
-_K_STRIDES = KernelArgs._fields.index("k_strides") - 3
-_V_STRIDES = KernelArgs._fields.index("v_strides") - 3
+# positions of fields in a plan's record tail (the record without q, k, v)
+_TAIL = {name: KernelArgs._fields.index(name) - 3
+         for name in ("k_strides", "v_strides", "q_offset", "win_left", "win_right", "n_threads")}
+
+
+def _c_strides(shape):
+    """Element strides (b, h, s) of a C-contiguous (B, H, S, E) array."""
+    _, H, S, E = shape
+    return (H * S * E, S * E, E)
 
 
 def _view_strides(x):
@@ -142,17 +161,40 @@ def _view_strides(x):
     return (sb // item, sh // item, ss // item)
 
 
-def _view_tail(tail, key, value):
-    """The plan's record tail with the strides of K/V views read in place; None when a view
-    cannot be read in place (then both are copied, as make_problem does)."""
-    ks = _view_strides(key)
-    vs = _view_strides(value)
-    if ks is None or vs is None:
-        return None
+def _retail(tail, strides, band_threads):
+    """The plan's record tail with this call's K/V strides and, for another key count than the
+    plan's, its band and threads."""
     tail = list(tail)
-    tail[_K_STRIDES] = ks
-    tail[_V_STRIDES] = vs
+    if strides is not None:
+        tail[_TAIL["k_strides"]], tail[_TAIL["v_strides"]] = strides
+    if band_threads is not None:
+        band, threads = band_threads
+        tail[_TAIL["q_offset"]] = band.q_offset
+        tail[_TAIL["win_left"]] = band.left
+        tail[_TAIL["win_right"]] = band.right
+        tail[_TAIL["n_threads"]] = threads
     return tuple(tail)
+
+
+def _per_key_count(pkey, p, be, kernel, record):
+    """S -> (band, threads) of a call of this plan's key with S keys: what make_problem and the
+    backend's forward_plan give it (the band from the same cached make_band; decode threads
+    from the keys the band reads, as CompiledBackend.decode_threads counts them)."""
+    B, Hkv, _, E = p.k.shape
+    L = p.q.shape[2]
+    row_bytes = B * Hkv * (E + p.v.shape[3]) * p.k.itemsize
+    is_causal, alignment = bool(pkey[5]), pkey[7]
+    win = check_window(pkey[8], "scaled_dot_product_attention")
+    decode = kernel is be._decode_kernel
+    threads = _config.num_threads()
+    fixed = record.n_threads
+
+    def per_S(S):
+        band = make_band(L, S, is_causal, alignment, win)
+        if not decode:
+            return band, fixed
+        return band, be.threads_for_decode_bytes(band_keys(L, S, band) * row_bytes, threads)
+    return per_S
 
 
 def forward_and_plan(pkey, p, be):
@@ -169,7 +211,8 @@ def forward_and_plan(pkey, p, be):
     if len(_plans) >= MAX_PLANS:
         _plans.clear()
     _plans[pkey] = (be, kernel, tuple(record[3:]), state, tuple(p.out_shape),
-                    tuple(p.lse_shape), lse_dtype(p.dtype), _reads_views(be))
+                    tuple(p.lse_shape), lse_dtype(p.dtype), _reads_views(be), p.k.shape[2],
+                    _per_key_count(pkey, p, be, kernel, record))
     return out, lse
 
 

@@ -229,3 +229,93 @@ def test_a_cache_prefix_is_read_in_place_not_copied(compiled, monkeypatch, rng):
     got = SDPA(q, k, v)
     np.testing.assert_array_equal(got, want)
     assert [x is q for x in copied] == [True], "only q goes through ascontiguousarray"
+
+
+GROWING = [
+    ("decode_causal_br", 1, 4, 4, dict(is_causal=True, causal_alignment="bottom_right")),
+    ("decode_gqa_window", 2, 8, 2, dict(enable_gqa=True, window=(5, 0),
+                                        causal_alignment="bottom_right")),
+    ("decode_no_mask", 1, 4, 4, {}),
+    ("decode_top_left_window", 3, 2, 2, dict(window=(0, 9))),
+    ("forward_causal_tl", 20, 2, 2, dict(is_causal=True)),
+]
+
+
+@pytest.mark.parametrize("backend", ["cython", "numba"])
+@pytest.mark.parametrize("views", [True, False])
+@pytest.mark.parametrize("name,L,Hq,Hkv,kw", GROWING, ids=[g[0] for g in GROWING])
+def test_a_growing_cache_reuses_one_plan_with_each_lengths_band_and_threads(
+        monkeypatch, rng, backend, views, name, L, Hq, Hkv, kw):
+    """A decode loop over a growing cache (S = 1 ... 60, as views of a preallocated buffer or
+    as fresh arrays): after the first call every call is planned, and each gives the bits the
+    full path gives for its S -- band (bottom-right offset, window), strides and the decode
+    thread choice (its threshold lowered so that it changes during the loop)."""
+    be = B.registry[backend]
+    if not be.available:
+        pytest.skip(f"{backend}: {be.reason}")
+    from fastattn._inputs import for_kernels
+    monkeypatch.setattr(be, "serial_decode_bytes", 30 * Hkv * 2 * 16 * 4)
+    _fastpath.clear()
+    buf = randn(rng, (2, 1, Hkv, 64, 16), np.float32)
+    q = randn(rng, (1, Hq, L, 16), np.float32)
+    full = []
+    real = api.make_problem
+
+    def counting(*a, **k):
+        full.append(1)
+        return real(*a, **k)
+    monkeypatch.setattr(api, "make_problem", counting)
+    for S in range(1, 61):
+        k, v = buf[0, :, :, :S], buf[1, :, :, :S]
+        if not views:
+            k, v = k.copy(), v.copy()
+        out, lse = SDPA(q, k, v, backend=backend, return_lse=True, **kw)
+        p = for_kernels(real(q, np.ascontiguousarray(k), np.ascontiguousarray(v), **kw))[0]
+        want_out, want_lse = be.forward(p)
+        np.testing.assert_array_equal(out, want_out, err_msg=f"S={S}")
+        np.testing.assert_array_equal(lse, want_lse, err_msg=f"S={S}")
+    assert len(full) == 1 and len(_fastpath._plans) == 1
+    _fastpath.clear()
+
+
+def test_keys_and_values_of_different_lengths_still_get_the_full_paths_error(compiled, rng):
+    q = randn(rng, (1, 2, 1, 8), np.float32)
+    k = randn(rng, (1, 2, 10, 8), np.float32)
+    SDPA(q, k, k)
+    with pytest.raises(ValueError, match="value"):
+        SDPA(q, k, k[:, :, :9])
+    out = SDPA(q, k[:, :, :0], k[:, :, :0])                  # S = 0: the full path's zeros
+    assert out.shape == (1, 2, 1, 8) and not out.any()
+
+
+@pytest.mark.parametrize("backend", ["cython", "numba"])
+def test_a_growing_cache_gets_the_full_paths_thread_choice_for_each_length(monkeypatch, rng,
+                                                                          backend):
+    """The one plan of a growing cache wakes the second thread exactly where the full path
+    would (the keys its band reads cross the backend's threshold, lowered here to 30 keys)."""
+    be = B.registry[backend]
+    if not be.available:
+        pytest.skip(f"{backend}: {be.reason}")
+    from fastattn import _config
+    from fastattn._inputs import make_problem
+    monkeypatch.setattr(be, "serial_decode_bytes", 30 * 4 * 2 * 16 * 4)
+    seen = []
+    real = be._decode_kernel
+
+    def spy(args, out, lse):
+        seen.append(args.n_threads)
+        return real(args, out, lse)
+    monkeypatch.setattr(be, "_decode_kernel", spy)
+    _fastpath.clear()
+    buf = randn(rng, (2, 1, 4, 64, 16), np.float32)
+    q = randn(rng, (1, 4, 1, 16), np.float32)
+    want = []
+    for S in range(1, 61):
+        k, v = buf[0, :, :, :S], buf[1, :, :, :S]
+        kw = dict(window=(40, None), causal_alignment="bottom_right")   # min(S, 41) keys read
+        SDPA(q, k, v, backend=backend, **kw)
+        want.append(be.decode_threads(make_problem(q, k, v, **kw), _config.num_threads()))
+    assert len(_fastpath._plans) == 1
+    _fastpath.clear()
+    assert seen == want
+    assert len(set(want)) == (2 if _config.num_threads() > 1 and be.serial_decode_bytes else 1)

@@ -24,6 +24,14 @@ def use_decode(p) -> bool:
     return L <= DECODE_MAX_ROWS and L * p.group <= DECODE_MAX_ROWS * 4
 
 
+def band_keys(L: int, S: int, band) -> int:
+    """How many of S keys the L rows of a band may attend (one range: the rows' first and
+    one-past-last key)."""
+    lo = band.q_offset - band.left
+    hi = band.q_offset + L + band.right
+    return max(0, min(S, hi) - max(0, lo))
+
+
 def decode_bytes(p) -> int:
     """The K/V bytes a decode call reads: the keys inside its rows' band, per sequence (its
     seqlens), not the buffer -- a decode loop over a preallocated cache passes the whole buffer
@@ -31,11 +39,11 @@ def decode_bytes(p) -> int:
     L = p.q.shape[2]
     S = p.n_keys
     band = p.band
-    lo = band.q_offset - band.left                 # the rows' first and one-past-last key
-    hi = band.q_offset + L + band.right
     if p.seqlens is None:
-        keys = p.q.shape[0] * max(0, min(S, hi) - max(0, lo))
+        keys = p.q.shape[0] * band_keys(L, S, band)
     else:
+        lo = band.q_offset - band.left
+        hi = band.q_offset + L + band.right
         n = p.seqlens.astype(np.int64)
         shift = n - S                              # a sequence's rows sit seqlens[b] - S later
         keys = int(np.maximum(0, np.minimum(n, hi + shift) - np.maximum(0, lo + shift)).sum())
@@ -61,7 +69,12 @@ class CompiledBackend(Backend):
         """Threads for a decode call: all of them, unless the K/V it reads are few."""
         if self.serial_decode_bytes is None or n_threads == 1:
             return n_threads
-        return 1 if decode_bytes(p) < self.serial_decode_bytes else n_threads
+        return self.threads_for_decode_bytes(decode_bytes(p), n_threads)
+
+    def threads_for_decode_bytes(self, nbytes: int, n_threads: int) -> int:
+        if self.serial_decode_bytes is None:
+            return n_threads
+        return 1 if nbytes < self.serial_decode_bytes else n_threads
 
     def not_supported_reasons(self, problem, op):
         reasons = super().not_supported_reasons(problem, op)
