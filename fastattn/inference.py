@@ -12,7 +12,7 @@ batch x longest.
 
 `attention_with_kvcache` is one kernel call for the whole batch that reads the cache where it
 is (the kernel record's k/v strides, per-sequence key counts and page table: docs/KERNELS.md)
-when the backend it runs on reads them (cython; numpy, for reference). Otherwise (numba, a
+when the backend it runs on reads them (cython, numba; numpy, for reference). Otherwise (a
 float16 cache) each sequence's keys are copied into (Hkv, S, E) (a paged cache gathered) and
 run through `scaled_dot_product_attention`. `varlen_attention` runs sequence by sequence.
 """

@@ -367,9 +367,9 @@ def test_paged_gives_the_bits_of_contiguous(backend, rng, page, Lq):
 
 
 def test_one_kernel_call_reads_the_cache_in_place(backend, rng, monkeypatch):
-    """cython and numpy get the whole batch in one call whose k/v are the caller's cache
-    (strided views of it, no copy); numba (which does not read a cache in place yet) gets each
-    sequence through scaled_dot_product_attention."""
+    """Every backend gets the whole batch in one call whose k/v are the caller's cache
+    (strided views of it, no copy), contiguous and paged (numba did not read a cache in place
+    before fastattn/_numba/_kv.py: it got each sequence through scaled_dot_product_attention)."""
     from fastattn import inference
     from fastattn._backends import registry
     q, kc, vc, k, v, lens = _case(rng, B=3, S_max=64, Lnew=1)
@@ -388,9 +388,6 @@ def test_one_kernel_call_reads_the_cache_in_place(backend, rng, monkeypatch):
         vcs = vc.reshape(12, 16, *vc.shape[2:]) if where else vc
         fa.attention_with_kvcache(q, kcs, vcs, k, v, cache_seqlens=lens, backend=backend,
                                   **where)
-        if backend == "numba":
-            assert sdpa_calls and all(p.kv_strides is None for p in seen)
-            continue
         assert len(seen) == 1 and not sdpa_calls
         p = seen[0]
         assert np.shares_memory(p.k, kcs) and np.shares_memory(p.v, vcs)
@@ -429,7 +426,50 @@ def test_kernel_record_checks_the_cache_layout(rng):
         K.backward(a, out, out, lse, dq, dk, dk.copy(), np.zeros(1, np.float32))
     assert registry["cython"].not_supported_reasons(p, "forward") == []
     assert registry["cython"].not_supported_reasons(p, "backward")
-    assert len(registry["numba"].not_supported_reasons(p, "forward")) >= 3
+
+
+@pytest.mark.parametrize("kernel", ["decode", "forward"])
+def test_numba_kernel_record_checks_the_cache_layout(rng, kernel):
+    """The numba entries read a cache in place (forward and decode) and refuse a record whose
+    seqlens, pages or strides would read outside the arrays (ValueError: numba does not check
+    bounds, so this is what stands between a bad record and a crash); the backward refuses a
+    cache read in place, and the dispatcher does not send it one."""
+    from fastattn._backends import registry
+    from fastattn._backends._kernel_args import forward_outputs, kernel_args
+    from fastattn._inputs import make_cache_problem
+    be = registry["numba"]
+    if not be.available:
+        pytest.skip(be.reason)
+    from fastattn._numba import backward, decode, forward
+    run = decode.decode if kernel == "decode" else forward.forward
+    kc = rng.standard_normal((6, 8, 2, 16)).astype(np.float32)     # 6 pages of 8
+    q = rng.standard_normal((2, 4, 1, 16)).astype(np.float32)
+    table = np.array([[0, 1, 2], [3, 4, 5]], np.int32)
+    p = make_cache_problem(q, kc.transpose(0, 2, 1, 3), kc.transpose(0, 2, 1, 3),
+                           seqlens=np.array([20, 9], np.int32), block_table=table)
+    out, lse = forward_outputs(p)
+    a = kernel_args(p, 1)
+    run(a, out, lse)                                               # the record as built: fine
+    for b, n in ((0, 20), (1, 9)):
+        kb = kc[table[b]].reshape(24, 2, 16)[:n]
+        want, want_lse = dense(q[b].transpose(1, 0, 2), kb, kb)
+        np.testing.assert_allclose(out[b].transpose(1, 0, 2), want, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(lse[b].T, want_lse.T, rtol=2e-5, atol=2e-5)
+    bad = [(dict(seqlens=np.array([25, 9], np.int32)), "seqlens"),
+           (dict(block_table=np.array([[0, 1, 9], [3, 4, 5]], np.int32)), "block_table"),
+           (dict(k_strides=(256, 16, 16)), "strides"),
+           (dict(page_size=4), "agree")]
+    for change, words in bad:
+        with pytest.raises(ValueError, match=words):
+            run(a._replace(**change), out, lse)
+    # pages past a sequence's end are never read, so they are not checked
+    run(a._replace(block_table=np.array([[0, 1, 2], [3, 4, -7]], np.int32)), out, lse)
+    dq = np.zeros_like(p.q)
+    dk = np.zeros((6, 2, 8, 16), np.float32)
+    with pytest.raises(ValueError, match="in place"):
+        backward.backward(a, out, out, lse, dq, dk, dk.copy(), np.zeros(1, np.float32))
+    assert be.not_supported_reasons(p, "forward") == []
+    assert be.not_supported_reasons(p, "backward")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ from .. import _process
 from ._compiled import CompiledBackend
 
 _KERNEL_MODULES = tuple("fastattn._numba." + m for m in (
-    "_intrinsics", "_exp", "_hash", "_blas", "_record", "_scores", "_tiles", "_gemm", "_bwd_ops",
-    "_transpose", "forward", "decode", "softmax", "backward"))
+    "_intrinsics", "_exp", "_hash", "_blas", "_record", "_scores", "_tiles", "_gemm", "_kv",
+    "_bwd_ops", "_transpose", "forward", "decode", "softmax", "backward"))
 
 
 def _import_kernels():
@@ -60,11 +60,12 @@ def _import_kernels():
 
 class NumbaBackend(CompiledBackend):
     name = "numba"
-    # record fields whose kernel support is not built yet: auto routes such calls elsewhere
-    unsupported_options = {
-        "kv_strides": "numba's kernels read k/v C-contiguous only (no KV cache in place yet)",
-        "seqlens": "numba's kernels do not take per-sequence key counts yet",
-        "block_table": "numba's kernels do not read a paged cache yet"}
+    # a KV cache read in place: forward and decode read it (fastattn/_numba/_kv.py), the
+    # backward does not
+    unsupported_backward_options = {
+        "kv_strides": "numba's backward reads k/v C-contiguous only",
+        "seqlens": "numba's backward does not take per-sequence key counts",
+        "block_table": "numba's backward does not read a paged cache"}
 
     def _load(self) -> None:
         forward, decode, softmax, backward = _import_kernels()

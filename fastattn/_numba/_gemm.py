@@ -350,11 +350,12 @@ KC = 128   # keys per k-chunk of P.V: a 128 x 64 V chunk (32 KiB) stays in L1
 
 def _make_gemm_pv(mk, mr=MR):
     @njit
-    def gemm_pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, ntiles, dlim=NO_LIMIT):
-        """acc[:ntiles*mr, :Ev] += P[:, :n] . V[voff...] (V rows of Ev floats).
-        A tile's sum stops at the keys it needs (dlim, above; the weights
-        past them are 0, and each sum is then the same FMA chain cut short:
-        the same bits)."""
+    def gemm_pv(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, ntiles, dlim=NO_LIMIT):
+        """acc[:ntiles*mr, :Ev] += P[:, p0:p0+n] . V[voff...] (V rows ldv apart: Ev, or a
+        cache's key stride). A tile's sum stops at the keys it needs (dlim, above; the weights
+        past them are 0, and each sum is then the same FMA chain cut short: the same bits).
+        Each element is one FMA chain over the keys in order, continued from acc, so a block
+        taken in runs (the pages of a paged cache) gives the bits of the block taken whole."""
         for k0 in range(0, n, KC):
             kc = min(KC, n - k0)
             for c0 in range(0, Ev, PW):
@@ -362,14 +363,14 @@ def _make_gemm_pv(mk, mr=MR):
                     for it in range(ntiles):
                         kt = min(kc, tile_cols(it, mr, dlim) - k0)
                         if kt > 0:
-                            mk(acc, it * mr * Evld + c0, Evld, Pb, it * mr * Bk + k0, Bk, 1,
-                               vf, voff + k0 * Ev + c0, Ev, kt, PW, True)
+                            mk(acc, it * mr * Evld + c0, Evld, Pb, it * mr * Bk + p0 + k0, Bk, 1,
+                               vf, voff + k0 * ldv + c0, ldv, kt, PW, True)
                 else:
                     for it in range(ntiles):
                         kt = min(kc, tile_cols(it, mr, dlim) - k0)
                         if kt > 0:
-                            mk(acc, it * mr * Evld + c0, Evld, Pb, it * mr * Bk + k0, Bk, 1,
-                               vf, voff + k0 * Ev + c0, Ev, kt, Ev - c0, True)
+                            mk(acc, it * mr * Evld + c0, Evld, Pb, it * mr * Bk + p0 + k0, Bk, 1,
+                               vf, voff + k0 * ldv + c0, ldv, kt, Ev - c0, True)
     return gemm_pv
 
 
@@ -438,9 +439,10 @@ DOT_PF_KEYS = 16
 
 
 @njit(fastmath=FM)
-def dec_qk_dot(Sb, kf, koff, E, n, qs):
+def dec_qk_dot(Sb, c0, kf, koff, ldk, E, n, qs):
     """Decode scores for ONE query row as dot products along e:
-    Sb[0, j] = q . K[koff + j*E ...]. The panel kernel (dec_qk) spreads the
+    Sb[0, c0 + j] = q . K[koff + j*ldk ...] (K rows ldk apart: E, or a cache's key stride).
+    The panel kernel (dec_qk) spreads the
     query rows over a vector's lanes and broadcasts K, so each key costs E
     vector FMAs whatever the row count: with one row (MHA decode) 15 of 16
     lanes were padding and decode became compute-bound (7.4 GB/s against
@@ -452,45 +454,46 @@ def dec_qk_dot(Sb, kf, koff, E, n, qs):
     wide_vectors()
     zero = np.float32(0.0)
     for j in range(n):
-        base = koff + j * E
+        base = koff + j * ldk
         for t in range(0, E, 16):
-            prefetch_l2(kf, base + DOT_PF_KEYS * E + t)
+            prefetch_l2(kf, base + DOT_PF_KEYS * ldk + t)
         s = zero
         for t in range(E):
             s += qs[t] * kf[base + t]
-        Sb[0, j] = s
+        Sb[0, c0 + j] = s
 
 
 @njit(fastmath={'contract'})   # FMA in the scalar tail, like the kernels
-def dec_qk(Sb, kf, koff, E, n, Qt, R, SbT):
-    """Decode scores Sb[:R, :n] = Q . K[koff...]^T for R query rows, computed
-    as S^T = K . Q^T (Qt: E x R). The last n % MR keys use plain
-    loops (the kernel's rows are unmasked and must not read past K's end);
+def dec_qk(Sb, c0, kf, koff, ldk, E, n, Qt, R, SbT):
+    """Decode scores Sb[:R, c0:c0+n] = Q . K[koff...]^T for R query rows (K rows ldk apart),
+    computed as S^T = K . Q^T (Qt: E x R). The last n % MR keys use plain
+    loops (the kernel's rows are unmasked and must not read past K's end),
+    summed in the kernel's blocks, so each score has the same bits wherever its key sits;
     SbT is (>= n) x R scratch, transposed into Sb at the end (n*R moves)."""
     zero = np.float32(0.0)
     if R <= W:
         full = (n // MR_D1) * MR_D1
         for j in range(0, full, MR_D1):
-            mk_dec1(SbT, j * R, R, kf, koff + j * E, E, 1, Qt, 0, R, E, R, False)
+            mk_dec1(SbT, j * R, R, kf, koff + j * ldk, ldk, 1, Qt, 0, R, E, R, False)
     elif R <= 2 * W:
         full = (n // MR_D2) * MR_D2
         for j in range(0, full, MR_D2):
-            mk_dec2(SbT, j * R, R, kf, koff + j * E, E, 1, Qt, 0, R, E, R, False)
+            mk_dec2(SbT, j * R, R, kf, koff + j * ldk, ldk, 1, Qt, 0, R, E, R, False)
     else:
         full = (n // MR) * MR
         for j in range(0, full, MR):
-            for c0 in range(0, R, QW):
-                microkernel_qk(SbT, j * R + c0, R, kf, koff + j * E, E, 1, Qt, c0, R, E,
-                               min(QW, R - c0), False)
+            for q0 in range(0, R, QW):
+                microkernel_qk(SbT, j * R + q0, R, kf, koff + j * ldk, ldk, 1, Qt, q0, R, E,
+                               min(QW, R - q0), False)
     for j in range(full, n):
         for r in range(R):
             s = zero
             for t0 in range(0, E, QK_KB):      # blocked like the kernels
                 c = zero
                 for t in range(t0, min(E, t0 + QK_KB)):
-                    c += Qt[t * R + r] * kf[koff + j * E + t]
+                    c += Qt[t * R + r] * kf[koff + j * ldk + t]
                 s += c
             SbT[j * R + r] = s
     for r in range(R):
         for j in range(n):
-            Sb[r, j] = SbT[j * R + r]
+            Sb[r, c0 + j] = SbT[j * R + r]

@@ -466,6 +466,11 @@ def backward(args, dout, out, lse, dq, dk, dv, dsinks):
     unless args.has_delta (the row offsets, Z and D come from the recomputed tiles, see the
     module docstring)."""
     q, k, v = args.q, args.k, args.v
+    if args.has_seqlens or args.has_block_table or not (k.flags.c_contiguous
+                                                        and v.flags.c_contiguous):
+        # the backend lists these in unsupported_backward_options; this is the safety net
+        raise ValueError("attention kernel: numba's backward does not read a KV cache in place "
+                         "(strided k/v, seqlens or a block table)")
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     Ev = v.shape[3]

@@ -20,6 +20,7 @@ from ._blas import blas_single_thread, gemm_nn, gemm_nt, numba_threads, prime_bl
 from ._exp import exp2v
 from ._hash import dropout_bh, dropout_threshold_nb
 from ._intrinsics import FM, atomic_next, fcast, fmax_nan, wide_vectors
+from ._kv import gather_v, kv_run, rows_all_finite, seq_keys, seq_q_offset
 from ._record import numba_args, positive
 from ._scores import (
     alibi_slope, band_partial, group_block_status, mask_base, needs_rows, score_units,
@@ -36,42 +37,42 @@ from ._gemm import MR, dec_qk, dec_qk_dot, gemm_pv_stream, gemm_pv_stream_row
 # threads, 6 interleaved rounds: t_torch/t_ours median 1.35 with K.Q^T vs 0.88
 # with BLAS Q.K^T (an earlier set had them the other way round, 26 vs 31 ms
 # medians); K-cache-resident micro-benchmark 0.70 vs 1.2 ms per 8 MB head.
-def _dec_pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, R, ab):  # pragma: no cover
+def _dec_pv(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R, ab):  # pragma: no cover
     raise NotImplementedError
 
 
-def _dec_qk(Sb, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, n, ab):  # pragma: no cover
+def _dec_qk(Sb, c0, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, ldk, n, ab):  # pragma: no cover
     raise NotImplementedError
 
 
 @overload(_dec_qk)
-def _dec_qk_ol(Sb, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, n, ab):
+def _dec_qk_ol(Sb, c0, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, ldk, n, ab):
+    """Sb[:R, c0:c0+n] = the raw scores of the R query rows Qs (Qt: the same transposed, for
+    the float32 panel kernel) against n keys whose rows start at kf[koff] and lie ldk apart."""
     if Sb.dtype == types.float32:
-        def impl(Sb, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, n, ab):
+        def impl(Sb, c0, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, ldk, n, ab):
             if R == 1:
-                dec_qk_dot(Sb, kf, koff, E, n, Qs[0])
-                return
-            for r in range(R):
-                for t in range(E):
-                    Qt[t * R + r] = Qs[r, t]
-            dec_qk(Sb, kf, koff, E, n, Qt, R, SbT)
+                dec_qk_dot(Sb, c0, kf, koff, ldk, E, n, Qs[0])
+            else:
+                dec_qk(Sb, c0, kf, koff, ldk, E, n, Qt, R, SbT)
     else:
-        def impl(Sb, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, n, ab):
-            gemm_nt(R, n, E, Qs, 0, Eld, kf, koff, Eld, 1, Sb, 0, Bk, ab)
+        def impl(Sb, c0, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, ldk, n, ab):
+            gemm_nt(R, n, E, Qs, 0, Eld, kf, koff, ldk, 1, Sb, c0, Bk, ab)
     return impl
 
 
 @overload(_dec_pv)
-def _dec_pv_ol(acc, Evld, Pb, Bk, vf, voff, Ev, n, R, ab):
+def _dec_pv_ol(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R, ab):
+    """acc[:R] += P[:R, p0:p0+n] . V, V rows from vf[voff] ldv apart."""
     if acc.dtype == types.float32:
-        def impl(acc, Evld, Pb, Bk, vf, voff, Ev, n, R, ab):
+        def impl(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R, ab):
             if R == 1:
-                gemm_pv_stream_row(acc, Evld, Pb, Bk, vf, voff, Ev, n, 1)
+                gemm_pv_stream_row(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, 1)
             else:
-                gemm_pv_stream(acc, Evld, Pb, Bk, vf, voff, Ev, n, (R + MR - 1) // MR)
+                gemm_pv_stream(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, (R + MR - 1) // MR)
     else:
-        def impl(acc, Evld, Pb, Bk, vf, voff, Ev, n, R, ab):
-            gemm_nn(R, Ev, n, Pb, 0, Bk, vf, voff, Evld, 0, acc, 0, Evld, ab)
+        def impl(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R, ab):
+            gemm_nn(R, Ev, n, Pb, p0, Bk, vf, voff, ldv, 0, acc, 0, Evld, ab)
     return impl
 
 
@@ -79,14 +80,18 @@ def _dec_pv_ol(acc, Evld, Pb, Bk, vf, voff, Ev, n, R, ab):
 def _decode_item(it, a, plan, pm, pl, pacc):
     """Item `it` = (batch, kv head, key chunk) of the call `a` (_record.NumbaArgs): the scores
     of every query row of the KV group against the chunk's keys, left as partials (running
-    max, sum, unnormalized acc) in pm/pl/pacc[it] for _decode_merge."""
+    max, sum, unnormalized acc) in pm/pl/pacc[it] for _decode_merge.
+
+    The keys are read where they are (_kv.py): sequence b's first seq_keys(a, b) keys, rows
+    ksS apart; on a paged cache a key block is taken run by run of one page, into the columns
+    of the block's tile, so its sums are those of the same block stored contiguously."""
     wide_vectors()
     q, k, v = a.q, a.k, a.v
     Bk, nchunks, csize = plan.Bk, plan.nchunks, plan.csize
     B, Hq, L, E = q.shape
-    Hkv = k.shape[1]
-    S = k.shape[2]
-    Ev = v.shape[3]
+    Hkv = a.Hkv
+    S = a.S
+    Ev = a.Ev
     g = Hq // Hkv
     R = g * L
     Eld = max(E, 1)
@@ -121,9 +126,11 @@ def _decode_item(it, a, plan, pm, pl, pacc):
     for r in range(R):
         for t in range(E):
             Qs[r, t] = qf[qoff + r * E + t]
+            Qt[t * R + r] = qf[qoff + r * E + t]
     Sb = np.empty((R, Bk), q.dtype)
     Pb = np.empty((Rp, Bk), q.dtype)
     Vs = np.empty((1, 1), q.dtype)
+    Vg = np.empty(1, q.dtype)
     acc = np.zeros((Rp, Evld), q.dtype)
     m = np.full(R, ninf, q.dtype)
     lsum = np.zeros(R, q.dtype)
@@ -131,13 +138,17 @@ def _decode_item(it, a, plan, pm, pl, pacc):
     ab[0] = one
     ab[1] = zero
 
-    # union of the rows' bands, clipped to this chunk
-    pos_min = a.q_offset
-    pos_max = L - 1 + a.q_offset
+    # union of the rows' bands, clipped to this chunk and to the sequence's keys
+    qo = seq_q_offset(a, b)
+    pos_min = qo
+    pos_max = L - 1 + qo
     jlo = max(c_lo, pos_min - a.win_left)
-    jhi = min(c_hi - 1, pos_max + a.win_right)
-    kbase = (b * Hkv + hk) * S * E
-    vbase = (b * Hkv + hk) * S * Ev
+    jhi = min(min(c_hi, seq_keys(a, b)) - 1, pos_max + a.win_right)
+    ldk = a.ksS
+    ldv = a.vsS
+    hko = hk * a.ksH
+    hvo = hk * a.vsH
+    paged = a.has_block_table
 
     if jlo <= jhi:
         j0 = jlo
@@ -146,14 +157,23 @@ def _decode_item(it, a, plan, pm, pl, pacc):
             # mask status over the whole group tile (all heads, all rows)
             mstat = group_block_status(a, b, hk * g, g, L, j0, n)
             if mstat != 0:
-                _dec_qk(Sb, Bk, Qs, Qt, SbT, R, E, Eld, kf, kbase + j0 * E, n, ab)
+                if paged:
+                    s0 = 0
+                    while s0 < n:
+                        ko, vo, end = kv_run(a, b, j0 + s0)
+                        ns = min(n - s0, end - (j0 + s0))
+                        _dec_qk(Sb, s0, Bk, Qs, Qt, SbT, R, E, Eld, kf, ko + hko, ldk, ns, ab)
+                        s0 += ns
+                else:
+                    _dec_qk(Sb, 0, Bk, Qs, Qt, SbT, R, E, Eld, kf,
+                            b * a.ksB + j0 * ldk + hko, ldk, n, ab)
                 # every head's rows sit at the same positions: one band status for the tile
                 partial = band_partial(a, j0, n, pos_min, pos_max)
                 if needs_rows(a, partial, mstat):
                     for hh in range(g):
                         # rows hh*L .. hh*L+L-1 belong to query head h
                         h = hk * g + hh
-                        tile_scores(Sb, hh * L, hh * L + L, n, j0, a.q_offset, a,
+                        tile_scores(Sb, hh * L, hh * L + L, n, j0, qo, a,
                                     alibi_slope(a, b, h), mask_base(a, b, h, 0, j0), mstat,
                                     Sb, False)
                 tile_online(Sb, Pb, 0, R, n, m, lsum, acc, Ev, c_exp)
@@ -162,16 +182,38 @@ def _decode_item(it, a, plan, pm, pl, pacc):
                         tile_dropout(Pb, hh * L, hh * L + L, n, a.seed,
                                      dropout_bh(a, b, hk * g + hh), a.dropout_row0,
                                      a.dropout_col0 + j0, thresh)
-                voff = vbase + j0 * Ev
                 # no exact path where no weight is zeroed by a mask/dropout
                 # (see forward.py)
-                if (mstat == 1 and not partial and not do_drop) or \
-                        block_all_finite(vf, voff, n * Ev):
-                    _dec_pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, R, ab)
+                fast = mstat == 1 and not partial and not do_drop
+                if paged:
+                    s0 = 0
+                    while s0 < n and not fast:
+                        ko, vo, end = kv_run(a, b, j0 + s0)
+                        ns = min(n - s0, end - (j0 + s0))
+                        if not rows_all_finite(vf, vo + hvo, ldv, ns, Ev):
+                            break
+                        s0 += ns
+                    if fast or s0 >= n:
+                        s0 = 0
+                        while s0 < n:
+                            ko, vo, end = kv_run(a, b, j0 + s0)
+                            ns = min(n - s0, end - (j0 + s0))
+                            _dec_pv(acc, Evld, Pb, Bk, s0, vf, vo + hvo, ldv, Ev, ns, R, ab)
+                            s0 += ns
+                        j0 += n
+                        continue
                 else:
-                    if Vs.shape[0] != Bk:
-                        Vs = np.empty((Bk, Evld), q.dtype)
-                    pv_nonfinite(Pb, R, n, vf, voff, Ev, Evld, Vs, acc, ab)
+                    voff = b * a.vsB + j0 * ldv + hvo
+                    if fast or rows_all_finite(vf, voff, ldv, n, Ev):
+                        _dec_pv(acc, Evld, Pb, Bk, 0, vf, voff, ldv, Ev, n, R, ab)
+                        j0 += n
+                        continue
+                # V holds a NaN/Inf: the exact path, on the block's V rows made adjacent
+                if Vs.shape[0] != Bk:
+                    Vs = np.empty((Bk, Evld), q.dtype)
+                    Vg = np.empty(Bk * Evld, q.dtype)
+                gather_v(a, b, hk, j0, n, vf, Vg)
+                pv_nonfinite(Pb, R, n, Vg, 0, Ev, Evld, Vs, acc, ab)
             j0 += n
 
     for r in range(R):
@@ -191,7 +233,7 @@ def _decode_merge(bk, a, plan, pm, pl, pacc, out, lse, kappa):
     included)."""
     nchunks = plan.nchunks
     L = a.q.shape[2]
-    Hkv = a.k.shape[1]
+    Hkv = a.Hkv
     g = a.q.shape[1] // Hkv
     inv_keep = 1.0 / (1.0 - a.dropout_p)
     Ev = out.shape[3]
@@ -250,8 +292,8 @@ DecPlan = namedtuple("DecPlan", "Bk csize nchunks nthreads")
 @njit(parallel=True, cache=True, nogil=True)
 def _decode_kernel(a, out, lse, plan):
     B, Hq, L, E = a.q.shape
-    Hkv = a.k.shape[1]
-    Ev = a.v.shape[3]
+    Hkv = a.Hkv
+    Ev = a.Ev
     g = Hq // Hkv
     R = g * L
     nchunks = plan.nchunks
@@ -289,7 +331,8 @@ def decode(args, out, lse):
     q, k = args.q, args.k
     B, Hq, L, E = q.shape
     Hkv = k.shape[1]
-    S = k.shape[2]
+    # the keys of a sequence: S, or max_pages * page_size of a paged cache
+    S = args.block_table.shape[1] * args.page_size if args.has_block_table else k.shape[2]
     # Bk = 1024: fewer per-block passes (Q transpose, softmax set-up, tile
     # transposition) over a stream that is memory-bound anyway. B1 Hq32 Hkv8
     # L1 S16384 d128, 2 threads, interleaved in one process, median ms:

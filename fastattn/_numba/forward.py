@@ -20,6 +20,7 @@ from numba.extending import overload
 from ._blas import blas_single_thread, gemm_nn, gemm_nt, numba_threads, prime_blas
 from ._hash import dropout_bh, dropout_threshold_nb
 from ._intrinsics import FM, atomic_next, fcast, prefetch_l2, wide_vectors
+from ._kv import gather_k, gather_v, seq_keys, seq_q_offset
 from ._record import numba_args, positive
 from ._scores import (
     alibi_slope, band_partial, block_status, mask_base, needs_rows, score_units, sink_logit,
@@ -86,7 +87,7 @@ def _qk_ol(Sb, Bk, qf, qoff, Qp, E, Eld, nq, ntiles, kf, kbase, j0, n, Kp, kpoff
 def _pv_ol(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab, dlim):
     if acc.dtype == types.float32:
         def impl(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab, dlim):
-            gemm_pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, ntiles, dlim)
+            gemm_pv(acc, Evld, Pb, Bk, 0, vf, voff, Ev, Ev, n, ntiles, dlim)
     else:
         def impl(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab, dlim):
             gemm_nn(nq, Ev, n, Pb, 0, Bk, vf, voff, Evld, 0, acc, 0, Evld, ab)
@@ -142,12 +143,13 @@ def _forward_item(it, a, out, lse, plan, Kp, ws, pf_it):
     (compile time) and so this function can carry the 512-bit vector-width hint."""
     wide_vectors()
     q, k, v = a.q, a.k, a.v
-    Qx, Sb, Pb, acc, m, lsum, Kl = ws
+    Qx, Sb, Pb, acc, m, lsum, Kl, Kg, Vg = ws
     Bq, Bk, reverse_q, local_pack = plan.Bq, plan.Bk, plan.reverse_q, plan.local_pack
+    gather = plan.gather
     B, Hq, L, E = q.shape
-    Hkv = k.shape[1]
-    S = k.shape[2]
-    Ev = v.shape[3]
+    Hkv = a.Hkv
+    S = a.S
+    Ev = a.Ev
     g = Hq // Hkv
     nqb = (L + Bq - 1) // Bq
     Eld = max(E, 1)
@@ -185,7 +187,6 @@ def _forward_item(it, a, out, lse, plan, Kp, ws, pf_it):
     # Scratch comes from the caller's per-worker workspace: allocating ~1 MB
     # per item cost ~0.5 ms of page faults (mmap'd by malloc, touched fresh).
     Qp = Qx
-    Vs = np.empty((1, 1), q.dtype)
     for r in range(nq):
         m[r] = ninf
         lsum[r] = zero
@@ -197,10 +198,12 @@ def _forward_item(it, a, out, lse, plan, Kp, ws, pf_it):
     qoff = ((b * Hq + h) * L + i0) * E
     _prep_q(qf, qoff, nq, E, Qp, ntiles)
 
-    pos_first = i0 + a.q_offset
-    pos_last = i0 + nq - 1 + a.q_offset
+    # a KV cache read in place (_kv.py): sequence b's own keys and query positions
+    qo = seq_q_offset(a, b)
+    pos_first = i0 + qo
+    pos_last = i0 + nq - 1 + qo
     jlo = max(0, pos_first - a.win_left)
-    jhi = min(S - 1, pos_last + a.win_right)
+    jhi = min(seq_keys(a, b) - 1, pos_last + a.win_right)
     slope = alibi_slope(a, b, h)
     kbase = (b * Hkv + hk) * S * E
     vbase = (b * Hkv + hk) * S * Ev
@@ -227,9 +230,10 @@ def _forward_item(it, a, out, lse, plan, Kp, ws, pf_it):
         pf_q = min(Bq, L - pqb * Bq) * E
         pk_off = (pb * Hkv + phk) * S * E
         pv_off = (pb * Hkv + phk) * S * Ev
-        if local_pack:
+        if local_pack and not gather:
             pf_k = min(S, Bk) * E
-        pf_v = min(S, Bk) * Ev
+        if not gather:
+            pf_v = min(S, Bk) * Ev
     pf_step = max(1, 64 // q.itemsize)
     pf_nch = (nq + PF_ROWS - 1) // PF_ROWS
 
@@ -252,7 +256,18 @@ def _forward_item(it, a, out, lse, plan, Kp, ws, pf_it):
         if _packed(q) and pos_first + a.win_right - j0 + 1 < n:
             dlim = pos_first + a.win_right - j0 + 1
 
-        if local_pack:
+        if gather:
+            # a cache read in place: the block's K and V rows made dense in the worker's
+            # scratch (a paged cache's pages, a cache's key stride), K then packed as below
+            gather_k(a, b, hk, j0, n, kf, Kg)
+            gather_v(a, b, hk, j0, n, vf, Vg)
+            p0 = j0 // PW
+            p1 = (j0 + n + PW - 1) // PW
+            for p in range(p0, p1):
+                _pack_k_local(Kg, -j0 * E, j0 + n, E, Kl, -p0 * E * PW, p)
+            _qk(Sb, Bk, qf, qoff, Qp, E, Eld, nq, ntiles, Kg, -j0 * E, j0, n, Kl,
+                -p0 * E * PW, ab, dlim)
+        elif local_pack:
             # K used by this item only: lay out just this block's panels in the
             # worker's buffer (cache-hot for the GEMM, no separate pass/region)
             p0 = j0 // PW
@@ -283,28 +298,39 @@ def _forward_item(it, a, out, lse, plan, Kp, ws, pf_it):
             tile_dropout(Pb, 0, nq, n, a.seed, dropout_bh(a, b, h), a.dropout_row0 + i0,
                          a.dropout_col0 + j0, thresh)
 
-        voff = vbase + j0 * Ev
         # The exact path only matters where a weight is exactly 0 because of a
         # mask or dropout. In a block with neither, every weight is nonzero or
         # an underflow that the float64 reference also multiplies with the
         # NaN/Inf, so the check (a first read of V: ~6 us per 256x64 block,
         # ~3% of a B4 H8 L256 item) is skipped; the cython kernel does the same.
-        if (mstat == 1 and not partial and not do_drop) or \
-                block_all_finite(vf, voff, n * Ev):
-            _pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab, dlim)
+        fast = mstat == 1 and not partial and not do_drop
+        if gather:
+            _pv_checked(acc, Evld, Pb, Bk, Vg, 0, Ev, n, nq, ntiles, ab, dlim, fast)
         else:
-            zero_past_limit(Pb, nq, n, dlim)
-            if Vs.shape[0] != Bk:
-                Vs = np.empty((Bk, Evld), q.dtype)
-            pv_nonfinite(Pb, nq, n, vf, voff, Ev, Evld, Vs, acc, ab)
+            _pv_checked(acc, Evld, Pb, Bk, vf, vbase + j0 * Ev, Ev, n, nq, ntiles, ab, dlim,
+                        fast)
         j0 += Bk
 
     tile_finalize(acc, m, lsum, nq, Ev, of, ((b * Hq + h) * L + i0) * Ev,
                   lse.reshape(-1), (b * Hq + h) * L + i0, inv_keep, kappa, sink_logit(a, h))
 
 
+@njit(fastmath=FM)
+def _pv_checked(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab, dlim, fast):
+    """acc += P . V for the block's V rows at vf[voff] (Ev apart): the products, or, where V
+    holds a NaN/Inf and `fast` does not vouch that no weight is 0, the exact path."""
+    if fast or block_all_finite(vf, voff, n * Ev):
+        _pv(acc, Evld, Pb, Bk, vf, voff, Ev, n, nq, ntiles, ab, dlim)
+    else:
+        zero_past_limit(Pb, nq, n, dlim)
+        Vs = np.empty((Bk, Evld), acc.dtype)
+        pv_nonfinite(Pb, nq, n, vf, voff, Ev, Evld, Vs, acc, ab)
+
+
 # Blocks of a forward call (chosen in forward() from the shapes and KernelArgs.tuning).
-FwdPlan = namedtuple("FwdPlan", "Bq Bk reverse_q local_pack")
+# gather: a KV cache read in place (strided, paged or per-sequence lengths), whose key blocks
+# are gathered into the worker's scratch (Kg, Vg) before the products.
+FwdPlan = namedtuple("FwdPlan", "Bq Bk reverse_q local_pack gather")
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -312,8 +338,8 @@ def _forward_kernel(a, out, lse, plan, Kp, ws):
     """Parallel body of forward(): ws are the stacked per-worker scratch arrays (workspace())."""
     q, k = a.q, a.k
     B, Hq, L, E = q.shape
-    Hkv = k.shape[1]
-    S = k.shape[2]
+    Hkv = a.Hkv
+    S = a.S
     nqb = (L + plan.Bq - 1) // plan.Bq
     # float32: K re-laid out once per call as PW-key panels for the
     # micro-kernel, into Kp (from the caller's workspace; size of K rounded
@@ -323,7 +349,7 @@ def _forward_kernel(a, out, lse, plan, Kp, ws):
     for x in prange(B * Hkv * npan if (packed and not plan.local_pack) else 0):
         _pack_k(k, Kp, x)
     n_items = B * Hq * nqb
-    wQ, wS, wP, wA, wM, wL, wK = ws
+    wQ, wS, wP, wA, wM, wL, wK, wKg, wVg = ws
     T = wQ.shape[0]
     # one prange iteration per worker, each with its own scratch slice;
     # workers claim items dynamically from an atomic counter (causal items
@@ -344,7 +370,8 @@ def _forward_kernel(a, out, lse, plan, Kp, ws):
             if nxt < n_items:
                 pf = nxt
             _forward_item(it, a, out, lse, plan, Kp,
-                          (wQ[w], wS[w], wP[w], wA[w], wM[w], wL[w], wK[w]), pf)
+                          (wQ[w], wS[w], wP[w], wA[w], wM[w], wL[w], wK[w], wKg[w], wVg[w]),
+                          pf)
             if early:
                 it = nxt
             else:
@@ -373,7 +400,7 @@ _ws = threading.local()
 KP_CACHE_MAX = 64 << 20   # keep the K panel buffer between calls up to 64 MiB
 
 
-def workspace(dtype, T, Bq, Bk, E, Ev, kp_size, local_pack=False):
+def workspace(dtype, T, Bq, Bk, E, Ev, kp_size, local_pack=False, gather=False):
     """Per-worker scratch and the K panel buffer, cached per Python thread
     (concurrent calls from other threads get their own) and reused across
     calls. Freshly allocated, these pages fault on first touch on every call:
@@ -381,7 +408,7 @@ def workspace(dtype, T, Bq, Bk, E, Ev, kp_size, local_pack=False):
     L256 d64, a ~10 ms call). Only the latest shape is kept."""
     Bqp = -(-Bq // MR) * MR
     kp = np.dtype(dtype).itemsize * kp_size
-    key = (np.dtype(dtype).str, T, Bqp, Bk, max(E, 1), max(Ev, 1), kp_size, local_pack)
+    key = (np.dtype(dtype).str, T, Bqp, Bk, max(E, 1), max(Ev, 1), kp_size, local_pack, gather)
     cached = getattr(_ws, 'arrays', None)
     if cached is not None and cached[0] == key:
         return cached[1]
@@ -391,7 +418,9 @@ def workspace(dtype, T, Bq, Bk, E, Ev, kp_size, local_pack=False):
             np.empty((T, Bqp, max(Ev, 1)), dtype),      # accumulator
             np.empty((T, Bqp), dtype),                  # running max
             np.empty((T, Bqp), dtype),                  # running sum
-            np.empty((T, Bk * max(E, 1) if local_pack else 1), dtype))  # block K panels
+            np.empty((T, Bk * max(E, 1) if local_pack else 1), dtype),  # block K panels
+            np.empty((T, Bk * max(E, 1) if gather else 1), dtype),      # gathered K block
+            np.empty((T, Bk * max(Ev, 1) if gather else 1), dtype))     # gathered V block
     Kp = np.empty(max(kp_size, 1), dtype)
     if kp <= KP_CACHE_MAX:
         _ws.arrays = (key, (Kp,) + arrs)
@@ -405,8 +434,11 @@ def forward(args, out, lse):
     override the block heuristic (0 = choose)."""
     q, k, v = args.q, args.k, args.v
     B, Hq, L, E = q.shape
-    S = k.shape[2]
+    # the keys of a sequence: S, or max_pages * page_size of a paged cache
+    S = args.block_table.shape[1] * args.page_size if args.has_block_table else k.shape[2]
     Ev = v.shape[3]
+    gather = bool(args.has_seqlens or args.has_block_table
+                  or not (k.flags.c_contiguous and v.flags.c_contiguous))
     Bq, Bk = block_sizes(L, S, E, Ev, q.itemsize, args.n_threads, B, Hq)
     Bq = positive("block_q", args.tuning.block_q, Bq)
     Bk = positive("block_k", args.tuning.block_k, Bk)
@@ -422,9 +454,9 @@ def forward(args, out, lse):
         T = max(1, min(T, B * Hq * nqb))
         # K used by one item only (one query block, no GQA sharing): pack its
         # panels inside the item instead of in a separate whole-K pass
-        local_pack = bool(q.dtype == np.float32 and nqb == 1 and k.shape[1] == Hq)
+        local_pack = bool(gather or (q.dtype == np.float32 and nqb == 1 and k.shape[1] == Hq))
         kp_size = (B * k.shape[1] * (-(-S // PW)) * max(E, 1) * PW
                    if (q.dtype == np.float32 and not local_pack) else 1)
-        ws = workspace(q.dtype, T, Bq, Bk, E, Ev, kp_size, local_pack)
-        _forward_kernel(numba_args(args), out, lse, FwdPlan(Bq, Bk, reverse_q, local_pack),
-                        ws[0], ws[1:])
+        ws = workspace(q.dtype, T, Bq, Bk, E, Ev, kp_size, local_pack, gather)
+        _forward_kernel(numba_args(args), out, lse,
+                        FwdPlan(Bq, Bk, reverse_q, local_pack, gather), ws[0], ws[1:])
