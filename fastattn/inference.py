@@ -23,7 +23,8 @@ import numbers
 import numpy as np
 
 from . import _backends
-from ._inputs import as_float_array, check_same_dtype, describe, for_kernels, make_cache_problem
+from ._inputs import (as_float_array, check_same_dtype, check_window, describe, for_kernels,
+                      make_cache_problem)
 from .api import scaled_dot_product_attention, scaled_dot_product_attention_backward
 
 __all__ = ["attention_with_kvcache", "varlen_attention", "varlen_attention_backward"]
@@ -167,7 +168,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     rotary_cos, rotary_sin : (seqlen_ro, rotary_dim / 2): rotary embedding applied to q and the
         new k at their absolute positions (GPT-J pairs when rotary_interleaved, GPT-NeoX halves
         otherwise). As in flash-attn, q rows sit at cache_seqlens[b] + i when is_causal or a
-        window is given, and all at cache_seqlens[b] otherwise.
+        window side is below the cache's capacity per sequence (a wider side is no window, as
+        flash-attn clamps it), and all at cache_seqlens[b] otherwise.
     Then q of sequence b attends to its first cache_seqlens[b] + Lnew keys, causal bottom-right
     when is_causal (the last query sits on the last key). window, softcap, alibi_slopes ((Hq,)
     or (B, Hq)), sinks, scale: as in scaled_dot_product_attention.
@@ -254,8 +256,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         raise ValueError(f"{fn}: cache_seqlens[{b}] + Lnew = {int(lens[b])} + {Lnew} exceeds the "
                          f"cache's capacity of {capacity} tokens per sequence")
     rot = _rotary_tables(rotary_cos, rotary_sin, E, fn)
-    banded = bool(is_causal) or (isinstance(window, (tuple, list)) and
-                                 any(w is not None and w != -1 for w in window))
+    # q's rotary positions follow flash-attn: cache_seqlens + i when causal or local, else all
+    # at cache_seqlens. "Local" as flash_api.cpp has it: a window side counts when it is below
+    # the cache's capacity per sequence (seqlen_k there); a wider side is no window.
+    banded = bool(is_causal) or any(w is not None and w < capacity
+                                    for w in check_window(window, fn))
     if rot is not None:
         need = int((lens + max(Lnew, Lq if banded else 1)).max(initial=0))
         if need > rot[0].shape[0]:
