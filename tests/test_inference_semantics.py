@@ -357,7 +357,7 @@ def kvcache_calls(draw):
     Ev = draw(st.sampled_from([E, 1, 5, 16]))
     layout = draw(st.sampled_from(["contiguous", "rows", "paged"]))
     Lnew = draw(st.sampled_from([0, 1, 1, 2, 5]))
-    Lq = draw(st.sampled_from([1, 1, 2, 3, 7] + ([Lnew] * 3 if Lnew else [])))
+    Lq = draw(st.sampled_from([0, 1, 1, 2, 3, 7] + ([Lnew] * 3 if Lnew else [])))
     if layout == "paged":
         page = draw(st.sampled_from([1, 3, 4, 16]))
         pages_per_seq = draw(st.integers(max(1, -(-Lnew // page)), max(1, 40 // page)))
@@ -531,3 +531,349 @@ def test_rotary_query_positions_with_a_window_wider_than_the_cache(backend, page
         got = fa.attention_with_kvcache(q, kc, vc, k, v, backend=backend, **kw)
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12, err_msg=str(window))
         np.testing.assert_allclose(kc, kc_want, rtol=1e-12, atol=1e-14)
+
+
+# ==============================================================================================
+# varlen
+# ==============================================================================================
+@st.composite
+def varlen_calls(draw):
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    dtype = draw(st.sampled_from([np.float32, np.float64]))
+    n_seq = draw(st.integers(1, 4))
+    Hkv = draw(st.sampled_from([1, 2]))
+    Hq = Hkv * draw(st.sampled_from([1, 2, 3]))
+    E = draw(st.sampled_from([1, 4, 8, 17]))
+    Ev = draw(st.sampled_from([E, 3, 8]))
+    sizes = st.sampled_from([0, 1, 2, 3, 5, 9, 16])
+    lq = [draw(sizes) for _ in range(n_seq)]
+    lk = list(lq) if draw(st.booleans()) else [draw(sizes) for _ in range(n_seq)]
+    cu_q = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    q = rng.standard_normal((cu_q[-1], Hq, E)).astype(dtype)
+    k = rng.standard_normal((cu_k[-1], Hkv, E)).astype(dtype)
+    v = rng.standard_normal((cu_k[-1], Hkv, Ev)).astype(dtype)
+    opts = draw(score_options(n_seq, Hq, rng))
+    opts["is_causal"] = draw(st.booleans())
+    extra = {}
+    if draw(st.booleans()):
+        extra = dict(max_seqlen_q=max(lq) + draw(st.sampled_from([0, 2])),
+                     max_seqlen_k=max(lk) + draw(st.sampled_from([0, 3])))
+    return dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, options=opts, extra=extra, dtype=dtype,
+                g=rng.standard_normal((cu_q[-1], Hq, Ev)).astype(dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@_settings(60)
+@given(call=varlen_calls())
+def test_varlen_forward_and_backward_match_the_flash_model(backend, call):
+    q, k, v, cu_q, cu_k, g = (call[x] for x in ("q", "k", "v", "cu_q", "cu_k", "g"))
+    dtype, opts = call["dtype"], call["options"]
+    saved = [x.copy() for x in (q, k, v, cu_q, cu_k, g)]
+    out, lse = fa.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True, backend=backend,
+                                   **call["extra"], **opts)
+    out64, lse64 = flash_model_varlen(q, k, v, cu_q, cu_k, **opts)
+    out_lo, lse_lo = flash_model_varlen(q, k, v, cu_q, cu_k, **opts, dt=dtype)
+    assert out.dtype == dtype and lse.dtype == dtype and lse.shape == (q.shape[1], q.shape[0])
+    assert_close_to_reference(out, out64, out_lo, dtype, "out")
+    assert_close_to_reference(lse, lse64, lse_lo, dtype, "lse")
+    grads = fa.varlen_attention_backward(g, q, k, v, out, lse, cu_q, cu_k, backend=backend,
+                                         **call["extra"], **opts)
+    want64 = flash_model_varlen_backward(g, q, k, v, cu_q, cu_k, **opts)
+    want_lo = flash_model_varlen_backward(g, q, k, v, cu_q, cu_k, **opts, dt=dtype)
+    assert len(grads) == (4 if opts.get("sinks") is not None else 3)
+    for name, got, w64, wlo in zip(("dq", "dk", "dv", "dsinks"), grads, want64, want_lo):
+        assert got.shape == w64.shape, name
+        assert_close_to_reference(got, w64, wlo, dtype, name)
+    for before, after in zip(saved, (q, k, v, cu_q, cu_k, g)):
+        assert before.tobytes() == after.tobytes()                  # inputs never modified
+
+
+def test_varlen_sequence_equals_the_same_rows_of_a_bigger_batch():
+    """A sequence's output does not depend on its neighbours (each attends within itself),
+    whatever their lengths: the packed batch equals the sequences run one by one."""
+    rng = np.random.default_rng(3)
+    lq, lk = [4, 0, 7, 1], [2, 5, 7, 0]
+    cu_q = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    q = rng.standard_normal((cu_q[-1], 2, 8))
+    k = rng.standard_normal((cu_k[-1], 2, 8))
+    v = rng.standard_normal((cu_k[-1], 2, 8))
+    for backend in BACKENDS:
+        out, lse = fa.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True, return_lse=True,
+                                       backend=backend)
+        for i in range(4):
+            qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+            one = np.array([0, lq[i]], np.int32), np.array([0, lk[i]], np.int32)
+            o, s = fa.varlen_attention(q[qs], k[ks], v[ks], *one, is_causal=True,
+                                       return_lse=True, backend=backend)
+            np.testing.assert_array_equal(out[qs], o)
+            np.testing.assert_array_equal(lse[:, qs], s)
+        # sequence 0: 4 queries on 2 keys, bottom-right: rows 0 and 1 see no key
+        assert np.all(out[:2] == 0) and np.all(np.isneginf(lse[:, :2]))
+
+
+# ==============================================================================================
+# rejected calls write nothing
+# ==============================================================================================
+def _base_call(paged, dtype=np.float32):
+    rng = np.random.default_rng(7)
+    B, Hkv, Hq, E, Lnew = 3, 2, 4, 8, 4
+    lens = np.array([3, 10, 0], np.int32)
+    if paged:
+        table = np.array([[7, 2, 9, 0], [4, 8, 1, 3], [6, 5, 10, 11]], np.int32)
+        kc = rng.standard_normal((12, 4, Hkv, E)).astype(dtype)
+        vc = rng.standard_normal((12, 4, Hkv, E)).astype(dtype)
+        extra = dict(block_table=table)
+    else:
+        kc = rng.standard_normal((B + 1, 16, Hkv, E)).astype(dtype)
+        vc = rng.standard_normal((B + 1, 16, Hkv, E)).astype(dtype)
+        extra = {}
+    cos, sin = np.cos(np.ones((16, 4))), np.sin(np.ones((16, 4)))
+    return dict(q=rng.standard_normal((B, 2, Hq, E)).astype(dtype), k_cache=kc, v_cache=vc,
+                k=rng.standard_normal((B, Lnew, Hkv, E)).astype(dtype),
+                v=rng.standard_normal((B, Lnew, Hkv, E)).astype(dtype),
+                cache_seqlens=lens, rotary_cos=cos, rotary_sin=sin, **extra)
+
+
+def _read_only(x):
+    x = x.copy()
+    x.flags.writeable = False
+    return x
+
+
+# (name, layout, change(call) -> overrides, exception, words the message must hold)
+BAD = [
+    ("over capacity", "contiguous", lambda c: dict(cache_seqlens=np.array([3, 13, 0], np.int32)),
+     ValueError, "cache_seqlens"),
+    ("over capacity, paged", "paged", lambda c: dict(cache_seqlens=np.array([3, 13, 0], np.int32)),
+     ValueError, "cache_seqlens"),
+    ("lengths int64", "contiguous", lambda c: dict(cache_seqlens=c["cache_seqlens"].astype(np.int64)),
+     TypeError, "cache_seqlens"),
+    ("lengths float", "contiguous", lambda c: dict(cache_seqlens=c["cache_seqlens"].astype(np.float32)),
+     TypeError, "cache_seqlens"),
+    ("lengths negative", "paged", lambda c: dict(cache_seqlens=np.array([3, -1, 0], np.int32)),
+     ValueError, "cache_seqlens"),
+    ("length negative int", "contiguous", lambda c: dict(cache_seqlens=-2), ValueError,
+     "cache_seqlens"),
+    ("lengths of another batch", "contiguous", lambda c: dict(cache_seqlens=np.zeros(2, np.int32)),
+     ValueError, "cache_seqlens"),
+    ("page out of range", "paged", lambda c: dict(block_table=np.where(
+        c["block_table"] == 2, 12, c["block_table"]).astype(np.int32)), ValueError, "block_table"),
+    ("page negative", "paged", lambda c: dict(block_table=np.where(
+        c["block_table"] == 4, -1, c["block_table"]).astype(np.int32)), ValueError, "block_table"),
+    ("page shared by two sequences", "paged", lambda c: dict(block_table=np.where(
+        c["block_table"] == 6, 7, c["block_table"]).astype(np.int32)), ValueError, "block_table"),
+    ("page twice in one sequence", "paged", lambda c: dict(block_table=np.where(
+        c["block_table"] == 8, 4, c["block_table"]).astype(np.int32)), ValueError, "block_table"),
+    ("block_table int64", "paged", lambda c: dict(block_table=c["block_table"].astype(np.int64)),
+     TypeError, "block_table"),
+    ("block_table of another batch", "paged", lambda c: dict(block_table=c["block_table"][:2]),
+     (ValueError, TypeError), "block_table"),
+    ("paged with cache_batch_idx", "paged",
+     lambda c: dict(cache_batch_idx=np.arange(3, dtype=np.int32)), ValueError, "cache_batch_idx"),
+    ("row out of range", "contiguous",
+     lambda c: dict(cache_batch_idx=np.array([0, 4, 1], np.int32)), ValueError, "cache_batch_idx"),
+    ("row negative", "contiguous",
+     lambda c: dict(cache_batch_idx=np.array([0, -1, 1], np.int32)), ValueError, "cache_batch_idx"),
+    ("row repeated while writing", "contiguous",
+     lambda c: dict(cache_batch_idx=np.array([2, 0, 2], np.int32)), ValueError, "cache_batch_idx"),
+    ("rows int64", "contiguous",
+     lambda c: dict(cache_batch_idx=np.array([2, 0, 1], np.int64)), TypeError, "cache_batch_idx"),
+    ("k without v", "contiguous", lambda c: dict(v=None), ValueError, "v"),
+    ("v without k", "paged", lambda c: dict(k=None), ValueError, "k"),
+    ("k float64", "contiguous", lambda c: dict(k=c["k"].astype(np.float64)), TypeError, "k"),
+    ("v float64", "paged", lambda c: dict(v=c["v"].astype(np.float64)), TypeError, "v"),
+    ("q float64", "contiguous", lambda c: dict(q=c["q"].astype(np.float64)), TypeError, "q"),
+    ("k of other heads", "contiguous", lambda c: dict(k=c["k"][:, :, :1], v=c["v"][:, :, :1]),
+     ValueError, "k"),
+    ("k of another head dim", "paged", lambda c: dict(k=c["k"][..., :4]), ValueError, "k"),
+    ("k of another batch", "contiguous", lambda c: dict(k=c["k"][:2], v=c["v"][:2]), ValueError,
+     "k"),
+    ("k_cache read-only", "contiguous", lambda c: dict(k_cache=_read_only(c["k_cache"])),
+     ValueError, "k_cache"),
+    ("v_cache read-only", "paged", lambda c: dict(v_cache=_read_only(c["v_cache"])), ValueError,
+     "v_cache"),
+    ("no rotary positions left", "contiguous",
+     lambda c: dict(rotary_cos=c["rotary_cos"][:13], rotary_sin=c["rotary_sin"][:13]), ValueError,
+     "rotary_cos"),
+    ("no rotary positions left, paged", "paged",
+     lambda c: dict(rotary_cos=c["rotary_cos"][:10], rotary_sin=c["rotary_sin"][:10]), ValueError,
+     "rotary_cos"),
+    ("rotary_sin missing", "contiguous", lambda c: dict(rotary_sin=None), ValueError, "rotary_sin"),
+    ("rotary_dim > head_dim", "contiguous",
+     lambda c: dict(rotary_cos=np.ones((16, 5)), rotary_sin=np.ones((16, 5))), ValueError,
+     "rotary"),
+    ("rotary shapes differ", "contiguous", lambda c: dict(rotary_sin=c["rotary_sin"][:, :2]),
+     ValueError, "rotary_sin"),
+    ("alibi shape", "paged", lambda c: dict(alibi_slopes=np.ones(3)), ValueError, "alibi_slopes"),
+    ("sinks shape", "contiguous", lambda c: dict(sinks=np.ones(3)), ValueError, "sinks"),
+    ("window of 3", "contiguous", lambda c: dict(window=(1, 2, 3)), ValueError, "window"),
+    ("window of floats", "paged", lambda c: dict(window=(1.5, 0)), TypeError, "window"),
+    ("scale string", "contiguous", lambda c: dict(scale="x"), TypeError, "scale"),
+    ("scale inf", "paged", lambda c: dict(scale=float("inf")), ValueError, "scale"),
+    ("softcap negative", "contiguous", lambda c: dict(softcap=-1.0), ValueError, "softcap"),
+    ("unknown backend", "paged", lambda c: dict(backend="cuda"), ValueError, "cuda"),
+    ("int cache", "contiguous", lambda c: dict(k_cache=c["k_cache"].astype(np.int32),
+                                               v_cache=c["v_cache"].astype(np.int32)),
+     TypeError, "k_cache"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name, layout, change, exc, words", BAD, ids=[b[0] for b in BAD])
+def test_a_rejected_call_names_the_argument_and_writes_nothing(backend, name, layout, change,
+                                                               exc, words):
+    call = _base_call(layout == "paged")
+    fa.attention_with_kvcache(**{**call, "k_cache": call["k_cache"].copy(),
+                                 "v_cache": call["v_cache"].copy()}, backend=backend)  # valid
+    call.update(change(call))
+    call = {key: val for key, val in call.items() if val is not None or key in ("k", "v")}
+    call.setdefault("backend", backend)
+    kc, vc = call["k_cache"], call["v_cache"]
+    saved = kc.tobytes(), vc.tobytes()
+    with pytest.raises(exc) as info:
+        fa.attention_with_kvcache(**call)
+    assert words in str(info.value), (name, str(info.value))
+    assert (kc.tobytes(), vc.tobytes()) == saved, f"{name}: the cache was written"
+
+
+def test_reading_needs_no_writeable_cache_and_allows_shared_rows():
+    """Without new tokens nothing is written: a read-only cache and repeated cache rows (two
+    batch elements reading one cached prefix) are fine, as in flash-attn."""
+    call = _base_call(False, np.float64)
+    kc, vc = _read_only(call["k_cache"]), _read_only(call["v_cache"])
+    idx = np.array([1, 1, 3], np.int32)
+    lens = np.array([5, 5, 2], np.int32)
+    for backend in BACKENDS:
+        out = fa.attention_with_kvcache(call["q"], kc, vc, cache_seqlens=lens,
+                                        cache_batch_idx=idx, backend=backend)
+        want, _, _, _ = flash_model_kvcache(call["q"], kc, vc, cache_seqlens=lens,
+                                            cache_batch_idx=idx)
+        np.testing.assert_allclose(out, want, rtol=1e-10, atol=1e-12)
+
+
+def test_varlen_rejects_bad_offsets_naming_them():
+    rng = np.random.default_rng(1)
+    q, k, v = rng.standard_normal((10, 2, 4)), rng.standard_normal((12, 1, 4)), \
+        rng.standard_normal((12, 1, 4))
+    good_q, good_k = np.array([0, 4, 10], np.int32), np.array([0, 5, 12], np.int32)
+    fa.varlen_attention(q, k, v, good_q, good_k)
+    bad = [
+        (dict(cu_seqlens_q=np.array([0, 6, 4, 10], np.int32)), ValueError, "cu_seqlens_q"),
+        (dict(cu_seqlens_q=np.array([0, 4, 9], np.int32)), ValueError, "cu_seqlens_q"),
+        (dict(cu_seqlens_k=np.array([0, 5, 13], np.int32)), ValueError, "cu_seqlens_k"),
+        (dict(cu_seqlens_k=np.array([0, 5, 12], np.int64)), TypeError, "cu_seqlens_k"),
+        (dict(cu_seqlens_k=np.array([0, 12], np.int32)), ValueError, "cu_seqlens"),
+        (dict(max_seqlen_q=5), ValueError, "max_seqlen_q"),
+        (dict(max_seqlen_k=6), ValueError, "max_seqlen_k"),
+        (dict(k=k.astype(np.float32), v=v.astype(np.float32)), TypeError, "k"),
+        (dict(alibi_slopes=np.ones((3, 2))), ValueError, "alibi_slopes"),
+    ]
+    for change, exc, words in bad:
+        kw = dict(q=q, k=k, v=v, cu_seqlens_q=good_q, cu_seqlens_k=good_k)
+        kw.update(change)
+        with pytest.raises(exc) as info:
+            fa.varlen_attention(**kw)
+        assert words in str(info.value), (change, str(info.value))
+
+
+# ==============================================================================================
+# KVCache against a list of held tokens
+# ==============================================================================================
+@st.composite
+def cache_sessions(draw):
+    seed = draw(st.integers(0, 2**32 - 1))
+    B = draw(st.integers(1, 4))
+    Hkv = draw(st.sampled_from([1, 2]))
+    setup = dict(B=B, Hkv=Hkv, Hq=Hkv * draw(st.sampled_from([1, 2])),
+                 E=draw(st.sampled_from([4, 8])), max_len=draw(st.integers(1, 20)),
+                 page_size=draw(st.sampled_from([None, 1, 3, 8])),
+                 dtype=draw(st.sampled_from([np.float32, np.float64])),
+                 rotary=draw(st.booleans()), interleaved=draw(st.booleans()))
+    ops = []
+    for _ in range(draw(st.integers(1, 8))):
+        kind = draw(st.sampled_from(["append", "append", "append", "read", "reorder", "trim",
+                                     "reset"]))
+        if kind == "append":
+            ops.append((kind, draw(st.integers(1, 6)), draw(st.integers(1, 3))))   # Lnew, Lq
+        elif kind == "read":
+            ops.append((kind, 0, draw(st.integers(1, 3))))
+        elif kind == "reorder":
+            ops.append((kind, [draw(st.integers(0, B - 1)) for _ in range(B)], None))
+        elif kind == "trim":
+            ops.append((kind, draw(st.one_of(st.integers(0, 25),
+                                              st.lists(st.integers(0, 25), min_size=B,
+                                                       max_size=B))), None))
+        else:
+            ops.append((kind, None, None))
+    return seed, setup, ops
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@_settings(40)
+@given(session=cache_sessions())
+def test_kvcache_follows_a_model_of_held_tokens(backend, session):
+    seed, s, ops = session
+    rng = np.random.default_rng(seed)
+    B, Hkv, Hq, E, dtype = s["B"], s["Hkv"], s["Hq"], s["E"], s["dtype"]
+    cache = fa.KVCache(B, s["max_len"], Hkv, E, dtype, page_size=s["page_size"])
+    cap = cache.capacity
+    assert cap >= s["max_len"]
+    held_k = np.zeros((B, cap, Hkv, E), dtype)           # the model: sequences as rows
+    held_v = np.zeros((B, cap, Hkv, E), dtype)
+    lens = np.zeros(B, np.int32)
+    opts = {}
+    if s["rotary"]:
+        ang = np.outer(np.arange(cap + 3), [1.0, 0.25][: E // 4 or 1])
+        opts = dict(rotary_cos=np.cos(ang).astype(dtype), rotary_sin=np.sin(ang).astype(dtype),
+                    rotary_interleaved=s["interleaved"])
+    for kind, a, b in ops:
+        if kind in ("append", "read"):
+            q = rng.standard_normal((B, b, Hq, E)).astype(dtype)
+            k = v = None
+            if kind == "append":
+                k = rng.standard_normal((B, a, Hkv, E)).astype(dtype)
+                v = rng.standard_normal((B, a, Hkv, E)).astype(dtype)
+            if kind == "append" and lens.max() + a > cap:
+                saved = cache.k.tobytes(), cache.v.tobytes()
+                with pytest.raises(ValueError, match="capacity"):
+                    cache.attend(q, k, v, backend=backend, **opts)
+                assert (cache.k.tobytes(), cache.v.tobytes()) == saved
+                assert cache.seqlens.tolist() == lens.tolist()   # a rejected call: no advance
+                continue
+            out = cache.attend(q, k, v, backend=backend, **opts)
+            want, _, held_k, held_v = flash_model_kvcache(q, held_k, held_v, k, v,
+                                                          cache_seqlens=lens, **opts)
+            if k is not None:
+                lens = lens + np.int32(a)
+            tol = 1e-10 if dtype == np.float64 else 2e-5
+            np.testing.assert_allclose(out, want, rtol=tol, atol=tol)
+        elif kind == "reorder":
+            cache.reorder(np.array(a))
+            held_k, held_v, lens = held_k[a], held_v[a], lens[a]
+        elif kind == "trim":
+            cache.trim(np.array(a) if isinstance(a, list) else a)
+            lens = np.minimum(lens, np.array(a)).astype(np.int32)
+        else:
+            cache.reset()
+            lens[:] = 0
+        assert cache.seqlens.dtype == np.int32 and cache.seqlens.tolist() == lens.tolist()
+        # the held tokens, read back through the layout (pages in block_table order)
+        seqs_k = (cache.k if cache.block_table is None else
+                  cache.k[cache.block_table].reshape(B, cap, Hkv, E))
+        for i in range(B):
+            np.testing.assert_allclose(seqs_k[i, :lens[i]], held_k[i, :lens[i]],
+                                       rtol=1e-6 if dtype == np.float32 else 1e-14, atol=1e-6)
+
+
+def test_kvcache_rejects_bad_reorder_and_trim():
+    cache = fa.KVCache(3, 8, 1, 4, np.float64, page_size=4)
+    for bad, exc in [(np.array([0, 1, 3]), ValueError), (np.array([0, -1, 1]), ValueError),
+                     (np.array([0, 1]), TypeError), (np.array([0.0, 1.0, 2.0]), TypeError)]:
+        with pytest.raises(exc, match="batch_idx"):
+            cache.reorder(bad)
+    for bad, exc in [(-1, ValueError), (np.array([1, 2]), TypeError), (1.5, TypeError)]:
+        with pytest.raises(exc, match="length"):
+            cache.trim(bad)
