@@ -64,6 +64,13 @@ def remember(cache, q, k, v, options) -> None:
     B, n, Hq, E = q.shape
     if n != k.shape[1] or n == 0 or q.size == 0 or v.shape[3] == 0:
         return
+    table = cache.block_table
+    if table is not None and table.size and (
+            table.min() < 0 or table.max() >= cache.k.shape[0]
+            or np.unique(table).size != table.size):
+        # the full path checked only the pages in use so far; attend() writes into later
+        # columns unchecked, so a plan needs every entry to be a page of its own
+        return
     tr = (0, 2, 1, 3)
     problem = make_cache_problem(
         np.ascontiguousarray(q.transpose(tr)), cache.k.transpose(tr), cache.v.transpose(tr),

@@ -877,3 +877,25 @@ def test_kvcache_rejects_bad_reorder_and_trim():
     for bad, exc in [(-1, ValueError), (np.array([1, 2]), TypeError), (1.5, TypeError)]:
         with pytest.raises(exc, match="length"):
             cache.trim(bad)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kvcache_with_a_padded_page_table_refuses_before_writing(backend):
+    """A block_table padded past the pages in use (vLLM pads with -1 or 0) is fine until a
+    sequence grows into the padding; then the call raises, naming block_table, with nothing
+    written -- on the per-token path of KVCache.attend too (it wrote the new key into page -1,
+    i.e. another sequence's last page, before the kernel refused)."""
+    rng = np.random.default_rng(0)
+    for pad in (-1, 2):                                  # page 2 belongs to sequence 1
+        cache = fa.KVCache(2, 4, 1, 4, np.float32, page_size=2)
+        cache.block_table = np.array([[0, pad], [2, 3]], np.int32)
+        steps = [tuple(rng.standard_normal((3, 2, 1, 1, 4)).astype(np.float32))
+                 for _ in range(3)]
+        with fa.use_backend(backend):                  # no option: the per-token path's kind
+            for q, k, v in steps[:2]:
+                cache.attend(q, k, v)
+            saved = cache.k.tobytes(), cache.v.tobytes()
+            with pytest.raises(ValueError, match="block_table"):
+                cache.attend(*steps[2])
+            assert (cache.k.tobytes(), cache.v.tobytes()) == saved, pad
+        assert cache.seqlens.tolist() == [2, 2]
