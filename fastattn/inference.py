@@ -169,7 +169,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         new k at their absolute positions (GPT-J pairs when rotary_interleaved, GPT-NeoX halves
         otherwise). As in flash-attn, q rows sit at cache_seqlens[b] + i when is_causal or a
         window side is below the cache's capacity per sequence (a wider side is no window, as
-        flash-attn clamps it), and all at cache_seqlens[b] otherwise.
+        flash-attn clamps it), and all at cache_seqlens[b] otherwise. As in flash-attn, they
+        need k and v (of length 0 to add no token).
     Then q of sequence b attends to its first cache_seqlens[b] + Lnew keys, causal bottom-right
     when is_causal (the last query sits on the last key). window, softcap, alibi_slopes ((Hq,)
     or (B, Hq)), sinks, scale: as in scaled_dot_product_attention.
@@ -207,7 +208,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
             raise ValueError(f"{fn}: k and v must have the cache's head dims ({E}, {Ev}), got "
                              f"k {k.shape} and v {v.shape}")
         for name in ("k_cache", "v_cache"):
-            if not named[name].flags.writeable:
+            if k.shape[1] and not named[name].flags.writeable:      # length 0 writes nothing
                 raise ValueError(f"{fn}: {name} is read-only; the new keys/values are written "
                                  f"into it in place")
     check_same_dtype(fn, **named)
@@ -248,7 +249,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
             if rows.size and rows.max() >= n_slots:
                 raise ValueError(f"{fn}: cache_batch_idx entries must be < B_cache = {n_slots}, "
                                  f"got {rows.tolist()[:16]}")
-            if k is not None and np.unique(rows).size != rows.size:
+            if Lnew and np.unique(rows).size != rows.size:
                 raise ValueError(f"{fn}: cache_batch_idx must be distinct when k/v are written, "
                                  f"got {rows.tolist()[:16]}")
     if total.size and total.max() > capacity:
@@ -261,8 +262,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     # the cache's capacity per sequence (seqlen_k there); a wider side is no window.
     banded = bool(is_causal) or any(w is not None and w < capacity
                                     for w in check_window(window, fn))
+    if rot is not None and k is None:
+        # flash-attn refuses this too: with no new token, q's position is ambiguous (at
+        # cache_seqlens it would sit one past the last key, where causal puts the last query)
+        raise ValueError(f"{fn}: rotary_cos/rotary_sin rotate the new keys and q at their "
+                         f"positions and need k and v (of length 0 for none), got k=None")
     if rot is not None:
-        need = int((lens + max(Lnew, Lq if banded else 1)).max(initial=0))
+        need = int((lens + max(Lnew, Lq if banded else min(Lq, 1))).max(initial=0))
         if need > rot[0].shape[0]:
             raise ValueError(f"{fn}: rotary_cos/rotary_sin have {rot[0].shape[0]} positions, the "
                              f"call needs {need}")

@@ -410,14 +410,15 @@ def kvcache_calls(draw):
         vc[slots] = rng.standard_normal((len(slots[0]), Hkv, Ev))
     q = rng.standard_normal((B, Lq, Hq, E)).astype(dtype)
     k = v = None
-    if Lnew:
+    if Lnew or draw(st.booleans()):               # Lnew = 0: k = v = None, or of length 0
         k = rng.standard_normal((B, Lnew, Hkv, E)).astype(dtype)
         v = rng.standard_normal((B, Lnew, Hkv, Ev)).astype(dtype)
     opts = draw(score_options(B, Hq, rng))
     opts["is_causal"] = draw(st.sampled_from([True, True, False]))
-    if draw(st.booleans()) and E >= 2:
+    if k is not None and draw(st.booleans()) and E >= 2:        # rotary needs new keys
         rdim = 2 * draw(st.integers(1, E // 2))
-        need = int(lens.max()) + max(Lnew, Lq)
+        need = int(lens.max()) + max(Lnew, Lq if opts["is_causal"] or "window" in opts
+                                     else min(Lq, 1))
         n_ro = need + draw(st.sampled_from([0, 0, 3]))
         inv = 10000.0 ** (-np.arange(0, rdim, 2) / rdim)
         ang = np.outer(np.arange(n_ro), inv)
@@ -428,17 +429,61 @@ def kvcache_calls(draw):
         opts["cache_seqlens"] = lens
     else:
         opts["cache_seqlens"] = lens if B > 1 and np.any(lens != lens[0]) else int(lens[0])
+    # the caches as views of bigger buffers (written in place through the view; the rest of
+    # the buffer must keep its bytes): K and V fused in one (.., 2, Hkv, E) buffer, a head dim
+    # padded in memory, rows in reverse order (a negative stride)
+    view = draw(st.sampled_from(["plain", "plain", "fused", "padded", "reversed"]))
+    if view == "fused" and Ev != E:
+        view = "padded"
+    bases = None
+    if view == "fused":
+        base = np.full(kc.shape[:2] + (2,) + kc.shape[2:], -7.0, dtype)
+        base[:, :, 0], base[:, :, 1] = kc, vc
+        kc, vc, bases = base[:, :, 0], base[:, :, 1], [base]
+    elif view == "padded":
+        kb = np.full(kc.shape[:3] + (E + 3,), -7.0, dtype)
+        vb = np.full(vc.shape[:3] + (Ev + 1,), -7.0, dtype)
+        kb[..., :E], vb[..., :Ev] = kc, vc
+        kc, vc, bases = kb[..., :E], vb[..., :Ev], [kb, vb]
+    elif view == "reversed":
+        kb, vb = kc[::-1].copy(), vc[::-1].copy()
+        kc, vc, bases = kb[::-1], vb[::-1], [kb, vb]
     return dict(q=q, k_cache=kc, v_cache=vc, k=k, v=v, options={**kw, **opts}, dtype=dtype,
-                poison=poison)
+                poison=poison, bases=bases)
 
 
 BACKENDS = [n for n, info in fa.backends().items() if info.available]
+
+
+def _outside_views(call):
+    """The bytes of the caches' buffers outside the caches (None for plain arrays)."""
+    if call["bases"] is None:
+        return None
+    outside = []
+    for base in call["bases"]:
+        inside = np.zeros(base.shape, bool)
+        for cache in (call["k_cache"], call["v_cache"]):
+            if np.shares_memory(cache, base):
+                inside[tuple(_view_index(base, cache))] = True
+        outside.append(base[~inside].tobytes())
+    return outside
+
+
+def _view_index(base, view):
+    """The index expression that makes `view` from `base` (the three kinds built above)."""
+    if view.shape[-1] < base.shape[-1] and view.ndim == base.ndim:
+        return (Ellipsis, slice(0, view.shape[-1]))
+    if view.ndim == base.ndim:                                  # reversed rows: all of it
+        return (Ellipsis,)
+    part = (view.__array_interface__["data"][0] - base.__array_interface__["data"][0])
+    return (slice(None), slice(None), part // (base.strides[2]))  # fused: K = 0, V = 1
 
 
 def _run_kvcache(call, backend):
     q, kc, vc, k, v = (call[x] for x in ("q", "k_cache", "v_cache", "k", "v"))
     opts = call["options"]
     before_k, before_v = kc.copy(), vc.copy()
+    outside = _outside_views(call)
     try:
         out, lse = fa.attention_with_kvcache(q, kc, vc, k, v, return_lse=True, backend=backend,
                                              **opts)
@@ -449,6 +494,7 @@ def _run_kvcache(call, backend):
         missing = getattr(fa._backends.registry[backend], "unsupported_options", {})
         assert any(name in str(err) for name in missing), str(err)
         return None
+    assert _outside_views(call) == outside, "bytes outside the caches' views changed"
     return out, lse, before_k, before_v
 
 
@@ -701,6 +747,8 @@ BAD = [
     ("no rotary positions left, paged", "paged",
      lambda c: dict(rotary_cos=c["rotary_cos"][:10], rotary_sin=c["rotary_sin"][:10]), ValueError,
      "rotary_cos"),
+    ("rotary without new keys", "paged", lambda c: dict(k=None, v=None), ValueError,
+     "rotary_cos"),
     ("rotary_sin missing", "contiguous", lambda c: dict(rotary_sin=None), ValueError, "rotary_sin"),
     ("rotary_dim > head_dim", "contiguous",
      lambda c: dict(rotary_cos=np.ones((16, 5)), rotary_sin=np.ones((16, 5))), ValueError,
@@ -833,7 +881,7 @@ def test_kvcache_follows_a_model_of_held_tokens(backend, session):
         if kind in ("append", "read"):
             q = rng.standard_normal((B, b, Hq, E)).astype(dtype)
             k = v = None
-            if kind == "append":
+            if kind == "append" or opts:              # rotary needs new keys (maybe 0 of them)
                 k = rng.standard_normal((B, a, Hkv, E)).astype(dtype)
                 v = rng.standard_normal((B, a, Hkv, E)).astype(dtype)
             if kind == "append" and lens.max() + a > cap:
@@ -899,3 +947,48 @@ def test_kvcache_with_a_padded_page_table_refuses_before_writing(backend):
                 cache.attend(*steps[2])
             assert (cache.k.tobytes(), cache.v.tobytes()) == saved, pad
         assert cache.seqlens.tolist() == [2, 2]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rotary_needs_new_keys_and_only_the_positions_it_uses(backend):
+    """flash-attn refuses rotary tables without k/v ("new key / value to be appended to KV
+    cache must also be provided"): with no new token, q's position is ambiguous (rotated at
+    cache_seqlens it would sit one past the last key, where causal puts the last query on it).
+    Decision: refused, as flash-attn. New keys of length 0 are new keys: q rows at
+    cache_seqlens + i. An empty q needs no rotary position: a table of cache_seqlens rows is
+    enough."""
+    rng = np.random.default_rng(2)
+    kc, vc = rng.standard_normal((2, 2, 6, 1, 4))
+    lens = np.array([2, 4], np.int32)
+    cos, sin = np.cos(np.ones((4, 2))), np.sin(np.ones((4, 2)))
+    q = rng.standard_normal((2, 1, 1, 4))
+    with pytest.raises(ValueError, match="rotary_cos") as info:
+        fa.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, rotary_cos=cos,
+                                  rotary_sin=sin, backend=backend)
+    assert "k" in str(info.value)
+    k0, v0 = np.zeros((2, 0, 1, 4)), np.zeros((2, 0, 1, 4))
+    full_cos, full_sin = np.cos(np.ones((5, 2))), np.sin(np.ones((5, 2)))
+    got = fa.attention_with_kvcache(q, kc, vc, k0, v0, cache_seqlens=lens, rotary_cos=full_cos,
+                                    rotary_sin=full_sin, backend=backend)
+    want = flash_model_kvcache(q, kc, vc, k0, v0, cache_seqlens=lens, rotary_cos=full_cos,
+                               rotary_sin=full_sin)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+    for causal in (True, False):
+        out = fa.attention_with_kvcache(q[:, :0], kc, vc, k0, v0, cache_seqlens=lens,
+                                        rotary_cos=cos, rotary_sin=sin, is_causal=causal,
+                                        backend=backend)
+        assert out.shape == (2, 0, 1, 4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_new_keys_of_length_zero_write_nothing_so_need_nothing_writeable(backend):
+    """k, v of length 0 add no token: like k = v = None, a read-only cache and cache rows shared
+    by two batch elements are fine (nothing is written)."""
+    call = _base_call(False, np.float64)
+    kc, vc = _read_only(call["k_cache"]), _read_only(call["v_cache"])
+    k0, v0 = call["k"][:, :0], call["v"][:, :0]
+    kw = dict(cache_seqlens=np.array([5, 5, 2], np.int32),
+              cache_batch_idx=np.array([1, 1, 3], np.int32))
+    got = fa.attention_with_kvcache(call["q"], kc, vc, k0, v0, backend=backend, **kw)
+    want = flash_model_kvcache(call["q"], kc, vc, **kw)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
