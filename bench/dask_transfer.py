@@ -7,7 +7,8 @@ the speed of 1 vs 2 workers against fastattn called directly (--scaling).
 
 q, k, v are made on the workers (chunks of --chunk tokens, all heads in a chunk: context
 parallel), so every byte that moves is attention's own traffic. Reports, per worker, the bytes it
-received from other workers (distributed's transfer log), its peak RSS during the phase (sampled),
+received from other workers (distributed's transfer log), its RSS when the phase began, its peak
+RSS during the phase (sampled every 20 ms) and its RSS at the end (the phase's results held),
 and the analytic volume of ring attention, 2 * S * Hkv * d * bytes * (P - 1) / P per worker for
 the forward (each worker sees every other worker's K and V once) and twice that for the backward
 (K and V, then the dK and dV accumulators, go round the ring), and the time (meaningless on a
@@ -30,8 +31,8 @@ def _start_sampler(dask_worker) -> None:
 
     import psutil
 
-    state = {"peak": 0, "stop": False}
     proc = psutil.Process()
+    state = {"peak": 0, "stop": False, "start": proc.memory_info().rss}
 
     def loop():
         while not state["stop"]:
@@ -42,14 +43,34 @@ def _start_sampler(dask_worker) -> None:
     dask_worker._fastattn_rss = state
 
 
-def _stop_sampler(dask_worker) -> float:
+def _stop_sampler(dask_worker) -> tuple[float, float, float]:
+    """RSS when the phase began, its peak during the phase, and now (the phase's results held),
+    MiB."""
+    import psutil
+
     state = dask_worker._fastattn_rss
     state["stop"] = True
-    return state["peak"] / 2**20
+    now = psutil.Process().memory_info().rss
+    return state["start"] / 2**20, state["peak"] / 2**20, now / 2**20
 
 
-def _incoming_bytes(dask_worker) -> int:
-    return int(sum(entry.get("total", 0) for entry in dask_worker.transfer_incoming_log))
+def _incoming_bytes(dask_worker) -> dict:
+    """Bytes received so far, by the name of the array (or task) each key belongs to."""
+    by_name: dict = {}
+    for entry in dask_worker.transfer_incoming_log:
+        for key, nbytes in entry.get("keys", {}).items():
+            name = key[0] if isinstance(key, tuple) else key
+            by_name[name] = by_name.get(name, 0) + int(nbytes)
+    return by_name
+
+
+def _label(name: str, arrays: dict) -> str:
+    """An input's own label (q, k, ...), or a fastattn task's kind (its name after the token)."""
+    if name in arrays:
+        return arrays[name]
+    if name.startswith("fastattn-"):
+        return "fastattn " + name.rsplit("-", 1)[-1]
+    return name
 
 
 def main(argv=None) -> int:
@@ -88,8 +109,10 @@ def main(argv=None) -> int:
         kv_bytes = S * args.heads * args.head_dim * 4
         chunk_bytes = 3 * np.prod(shape) * 4 / (S // args.chunk)
 
+        arrays = {q.name: "q", k.name: "k", v.name: "v"}
+
         def phase(make, ring):
-            """Persist make()'s arrays; per worker: bytes received, peak RSS during it."""
+            """Persist make()'s arrays; per worker: bytes received (in all and by array), RSS."""
             before = client.run(_incoming_bytes)
             client.run(_start_sampler)
             t0 = time.perf_counter()
@@ -98,22 +121,32 @@ def main(argv=None) -> int:
             seconds = time.perf_counter() - t0
             after = client.run(_incoming_bytes)
             peaks = client.run(_stop_sampler)
-            rows = [{"worker": addr, "received_bytes": after[addr] - before.get(addr, 0),
-                     "ring_bytes": ring,
-                     "ratio_to_ring": (after[addr] - before.get(addr, 0)) / ring,
-                     "peak_rss_mib": peaks[addr]} for addr in sorted(after)]
+            rows = []
+            for addr in sorted(after):
+                got: dict = {}
+                for name, nbytes in after[addr].items():
+                    label = _label(name, arrays)
+                    got[label] = got.get(label, 0) + nbytes - before.get(addr, {}).get(name, 0)
+                got = {label: n for label, n in sorted(got.items()) if n}
+                rows.append({"worker": addr, "received_bytes": sum(got.values()),
+                             "received_by_array": got, "ring_bytes": ring,
+                             "ratio_to_ring": sum(got.values()) / ring,
+                             "start_rss_mib": peaks[addr][0], "peak_rss_mib": peaks[addr][1],
+                             "end_rss_mib": peaks[addr][2]})
             return arrs, {"seconds": seconds, "workers_detail": rows}
 
         # ring attention: each worker receives the others' K and V once (forward); the
         # backward's ring also passes the dK, dV accumulators around: twice that
         (out, lse), fwd = phase(lambda: fad.scaled_dot_product_attention(
             q, k, v, is_causal=True, return_lse=True), 2 * kv_bytes * (P - 1) / P)
+        arrays.update({out.name: "out", lse.name: "lse"})
         result = {"tokens": S, "heads": args.heads, "head_dim": args.head_dim,
                   "chunk": args.chunk, "workers": P, "qkv_bytes_per_chunk": chunk_bytes,
                   "forward": fwd}
         if args.backward:
             g = client.persist(gen.standard_normal(shape, chunks=chunks, dtype=np.float32))
             wait(g)
+            arrays[g.name] = "grad_out"
             _, result["backward"] = phase(lambda: list(fad.scaled_dot_product_attention_backward(
                 g, q, k, v, out, lse, is_causal=True)), 4 * kv_bytes * (P - 1) / P)
         print(json.dumps(result, indent=2))

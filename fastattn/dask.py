@@ -107,10 +107,13 @@ def _finish(part, dtype, sinks_slice):
     return out.astype(dtype, copy=False), lse
 
 
-def _tile_backward(dout, q, k, v, out, lse, mask, alibi, sinks, opts, tile, keys_part):
-    """(dq, dk, dv) of one tile. keys_part: the tile holds a part of its rows' keys, so it takes
-    the whole problem's lse and D = rowsum(dout * out) (Problem.delta); else it holds all of
-    them and the kernels form the row sums from its own tiles (sinks then complete them)."""
+def _tile_backward(dout, q, k, v, out, lse, mask, alibi, sinks, opts, tile, keys_part,
+                   dq_sum=None, dkv_sum=None):
+    """One tile's gradients added to the running sums it is given: (dq, (dk, dv)), dq the sum
+    over its row's tiles so far (dq_sum: the previous tile's, or None), dk and dv over its
+    column's (dkv_sum). keys_part: the tile holds a part of its rows' keys, so it takes the whole
+    problem's lse and D = rowsum(dout * out) (Problem.delta); else it holds all of them and the
+    kernels form the row sums from its own tiles (sinks then complete them)."""
     fn = "fastattn.dask.scaled_dot_product_attention_backward"
     p, shift = _problem(q, k, v, mask, alibi, opts, tile, fn)
     p, dq_factor = for_kernels(p)
@@ -125,8 +128,22 @@ def _tile_backward(dout, q, k, v, out, lse, mask, alibi, sinks, opts, tile, keys
         p.sinks = np.ascontiguousarray(sinks, p.dtype)
     s = _parts.backward_lse(p, shift, s, fn)
     dq, dk, dv, _ = _backend(p, "backward", opts).backward(p, g, o, s)
-    dq = dq_from_kernels(dq, dq_factor)
-    return tuple(x.reshape(shape) for x, shape in zip((dq, dk, dv), (q.shape, k.shape, v.shape)))
+    dq = _accumulate(dq_from_kernels(dq, dq_factor).reshape(q.shape), dq_sum)
+    dk = _accumulate(dk.reshape(k.shape), None if dkv_sum is None else dkv_sum[0])
+    dv = _accumulate(dv.reshape(v.shape), None if dkv_sum is None else dkv_sum[1])
+    return dq, (dk, dv)
+
+
+def _accumulate(part, total):
+    """part + total, into part when it is the kernels' own writeable array (no second chunk of
+    scratch); the running sum given by the previous task is never written to (dask may still
+    hold it, e.g. to rerun this task after a worker is lost)."""
+    if total is None:
+        return part
+    if part.flags.writeable and part.dtype == np.result_type(part, total):
+        part += total
+        return part
+    return part + total
 
 
 def _row_dsinks(dout, out, lse, sinks):
@@ -136,13 +153,6 @@ def _row_dsinks(dout, out, lse, sinks):
     o = np.asarray(out).reshape(g.shape)
     return _parts.sink_grad(np.asarray(sinks, np.float64), np.asarray(lse).reshape(-1, Hq, L),
                             _parts.row_delta(g, o, np.float64))
-
-
-def _add(*xs):
-    total = xs[0].copy()
-    for x in xs[1:]:
-        total += x
-    return total
 
 
 def _zeros(shape, dtype):
@@ -446,45 +456,8 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
     keys_part = len(k.chunks[nb + 1]) > 1
     _check_backend(lay, opts, "backward", keys_part)
     layer = {}
-    batch_shape = q.shape[:nb]
-    dq_parts, dkv_parts = {}, {}
-    for bidx, hb, li, si, tile in _tiles(lay, band):
-        bsl = _slices(q.chunks[:nb], bidx)
-        hs = _slices((q.chunks[nb],), (hb,))[0]
-        row = bidx + (hb, li)
-        key = (name + "-tile",) + bidx + (hb, li, si)
-        layer[key] = (_tile_backward, (g.name,) + row + (0,), (q.name,) + row + (0,),
-                      (k.name,) + bidx + (hb, si, 0), (v.name,) + bidx + (hb, si, 0),
-                      (o.name,) + row + (0,), (s.name,) + row,
-                      None if mask is None else mask.block(bidx, hb, li, si),
-                      _alibi_piece(alibi_slopes, batch_shape, bsl, hs),
-                      None if sinks is None else np.asarray(sinks)[hs], opts, tile, keys_part)
-        # each gradient its own key: a reduction then pulls (and keeps alive) only the part
-        # it sums, not the tile's three gradients together
-        picks = []
-        for j, part in enumerate(("-tdq", "-tdk", "-tdv")):
-            picks.append((name + part,) + bidx + (hb, li, si))
-            layer[picks[-1]] = (_pick, key, j)
-        dq_parts.setdefault(row, []).append(picks[0])
-        dkv_parts.setdefault(bidx + (hb, si), []).append(picks[1:])
-    ds_parts = []
-    for bidx, hb in lay.blocks():
-        hs = _slices((q.chunks[nb],), (hb,))[0]
-        for li in range(len(q.chunks[nb + 1])):
-            row = bidx + (hb, li)
-            _reduce(layer, name + "-dq", row, dq_parts.get(row),
-                    tuple(c[i] for c, i in zip(q.chunks, row + (0,))), q.dtype)
-            if sinks is not None:
-                key = (name + "-ds",) + row
-                layer[key] = (_row_dsinks, (g.name,) + row + (0,), (o.name,) + row + (0,),
-                              (s.name,) + row, np.asarray(sinks)[hs])
-                ds_parts.append(((hs.start, hs.stop), key))
-        for si in range(len(k.chunks[nb + 1])):
-            col = bidx + (hb, si)
-            tiles = dkv_parts.get(col)
-            for j, (x, nm) in enumerate(((k, "-dk"), (v, "-dv"))):
-                _reduce(layer, name + nm, col, None if tiles is None else [t[j] for t in tiles],
-                        tuple(c[i] for c, i in zip(x.chunks, col + (0,))), x.dtype)
+    ds_parts = _graph_backward(layer, name, lay, (g, o, s), mask, alibi_slopes, sinks, opts,
+                               band, keys_part)
     deps = [g, q, k, v, o, s] + ([] if mask is None else [mask.arr])
     dq = _array(layer, name + "-dq", q.chunks, lay.dtype, deps)
     dk = _array(layer, name + "-dk", k.chunks, lay.dtype, deps)
@@ -502,14 +475,66 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
     return dq, dk, dv, dsinks
 
 
-def _reduce(layer, name, index, parts, shape, dtype):
-    """Block `index` of the gradient `name`: the sum of `parts` (a tree of adds) cast to the
-    input dtype, or zeros when no tile reaches it."""
-    key = (name,) + index + (0,)
-    if not parts:
-        layer[key] = (_zeros, shape, dtype)
-        return
-    layer[key] = (_cast, _tree(layer, name + "-sum", parts, _add, index), dtype)
+def _graph_backward(layer, name, lay, gos, mask, alibi, sinks, opts, band, keys_part):
+    """The backward's tasks, into `layer`; returns the dsinks parts [((h0, h1), key)].
+
+    One task per tile, as in the forward, but no partial gradients: a tile task takes the
+    running dq of its query chunk (from the previous tile of its row) and the running dk, dv of
+    its key chunk (from the previous tile of its column), adds its own share and passes them on.
+    So a gradient block has one running sum in memory at any time, whatever order the scheduler
+    runs the tasks in: a worker holds its chunks, running sums (together the size of the
+    gradients) and one tile's scratch, never the partials of tiles whose reduction has not run
+    (trees of adds held those: 1319 MiB per worker against the forward's 510 at 65536 tokens,
+    docs/DISTRIBUTED.md). Rows go from the tile nearest the diagonal leftwards (si descending),
+    columns from it downwards (li ascending): li - si grows along both chains, so the graph is
+    acyclic, and under a causal band every diagonal tile is ready at once and tile (li, si)
+    waits for li - si others before it, ring attention's schedule (a full grid of nL x nS
+    tiles has nL + nS - 1 steps)."""
+    g, o, s = gos
+    q, k, v, nb = lay.q, lay.k, lay.v, lay.nb
+    batch_shape = q.shape[:nb]
+    by_block = {}
+    for bidx, hb, li, si, tile in _tiles(lay, band):
+        by_block.setdefault((bidx, hb), {})[li, si] = tile
+    ds_parts = []
+    for bidx, hb in lay.blocks():
+        tiles = by_block.get((bidx, hb), {})
+        hs = _slices((q.chunks[nb],), (hb,))[0]
+        alibi_piece = _alibi_piece(alibi, batch_shape, _slices(q.chunks[:nb], bidx), hs)
+        sinks_piece = None if sinks is None else np.asarray(sinks)[hs]
+        dq_sum, dkv_sum = {}, {}       # li / si -> the key of the row's / column's running sum
+        for li, si in sorted(tiles, key=lambda t: (t[0] - t[1], t[0])):
+            row, col, idx = bidx + (hb, li), bidx + (hb, si), bidx + (hb, li, si)
+            key = (name + "-tile",) + idx
+            layer[key] = (_tile_backward, (g.name,) + row + (0,), (q.name,) + row + (0,),
+                          (k.name,) + col + (0,), (v.name,) + col + (0,), (o.name,) + row + (0,),
+                          (s.name,) + row, None if mask is None else mask.block(bidx, hb, li, si),
+                          alibi_piece, sinks_piece, opts, tiles[li, si], keys_part,
+                          dq_sum.get(li), dkv_sum.get(si))
+            # dq and (dk, dv) each their own key: the next tile of the row pulls only the dq
+            # it adds to, the next of the column only the dk, dv
+            dq_sum[li], dkv_sum[si] = (name + "-tdq",) + idx, (name + "-tdkv",) + idx
+            layer[dq_sum[li]] = (_pick, key, 0)
+            layer[dkv_sum[si]] = (_pick, key, 1)
+        for li in range(len(q.chunks[nb + 1])):
+            row = bidx + (hb, li)
+            shape = tuple(c[i] for c, i in zip(q.chunks, row + (0,)))
+            last = dq_sum.get(li)
+            layer[(name + "-dq",) + row + (0,)] = (
+                (_zeros, shape, q.dtype) if last is None else (_cast, last, q.dtype))
+            if sinks is not None:
+                key = (name + "-ds",) + row
+                layer[key] = (_row_dsinks, (g.name,) + row + (0,), (o.name,) + row + (0,),
+                              (s.name,) + row, sinks_piece)
+                ds_parts.append(((hs.start, hs.stop), key))
+        for si in range(len(k.chunks[nb + 1])):
+            col = bidx + (hb, si)
+            last = dkv_sum.get(si)
+            for j, (x, nm) in enumerate(((k, "-dk"), (v, "-dv"))):
+                shape = tuple(c[i] for c, i in zip(x.chunks, col + (0,)))
+                layer[(name + nm,) + col + (0,)] = (
+                    (_zeros, shape, x.dtype) if last is None else (_cast, (_pick, last, j), x.dtype))
+    return ds_parts
 
 
 def _array(layer, name, chunks, dtype, deps):

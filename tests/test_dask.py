@@ -174,6 +174,95 @@ def test_backward_splits_the_keys():
     assert grads[1].chunks == k.chunks
 
 
+PICKS = {"tdq": (0,), "tdk": (1,), "tdv": (2,), "tdkv": (1, 2)}
+
+
+def _gradient_arrays(graph, outputs):
+    """The backward's keys and, for each, the gradient arrays it holds: a tile's three new
+    arrays, a pick's share of its tile's, a final block's (its input's, cast in place), else a
+    new one (a sum of partials, zeros); by the keys' names in fastattn.dask's graph."""
+    from dask.core import get_dependencies
+
+    def kind(key):
+        return str(key[0]).rsplit("-", 1)[-1]
+
+    bwd = {key for key in graph if isinstance(key, tuple) and "-sdpa-bwd-" in str(key[0])}
+    deps = {key: sorted(d for d in get_dependencies(graph, key) if d in bwd) for key in bwd}
+    arrays = {}
+
+    def held(key):
+        if key not in arrays:
+            kd, ins = kind(key), [a for d in deps[key] for a in held(d)]
+            if kd == "tile":                 # the running sums it is given die with it
+                arrays[key] = [(key, j) for j in range(3)]
+            elif kd in PICKS:
+                arrays[key] = [held(deps[key][0])[j] for j in PICKS[kd]]
+            elif kd in ("dq", "dk", "dv") and ins:   # a (dk, dv) pair: dk or dv of it
+                arrays[key] = [ins[kd == "dv"]] if len(ins) == 2 else ins
+            else:                            # a sum of partials, or zeros
+                arrays[key] = [(key, 0)]
+        return arrays[key]
+
+    for key in bwd:
+        held(key)
+    return deps, arrays
+
+
+def _most_gradient_arrays_held(graph, outputs, rng):
+    """Runs the backward's tasks in a random order the graph allows (a tile's picks, which need
+    only it, right after it), releasing each key once its dependents have run as dask does, and
+    returns the most gradient arrays held between two steps."""
+    deps, arrays = _gradient_arrays(graph, outputs)
+    users = {key: [] for key in deps}
+    for key, ds in deps.items():
+        for d in ds:
+            users[d].append(key)
+    done, alive, most = set(), set(), 0
+
+    def run(key):
+        done.add(key)
+        alive.add(key)
+        for d in deps[key]:
+            if d not in outputs and all(u in done for u in users[d]):
+                alive.discard(d)
+
+    while len(done) < len(deps):
+        ready = sorted(key for key in deps if key not in done and str(key[0]).rsplit("-", 1)[-1]
+                       not in PICKS and all(d in done for d in deps[key]))
+        key = ready[rng.integers(len(ready))]
+        run(key)
+        for u in users[key]:
+            if str(u[0]).rsplit("-", 1)[-1] in PICKS:
+                run(u)
+        most = max(most, len({a for k in alive for a in arrays[k]}))
+    return most
+
+
+@pytest.mark.parametrize("kw", [dict(is_causal=True), {}, dict(window=(150, 0)),
+                                dict(is_causal=True, causal_alignment="bottom_right")])
+@pytest.mark.parametrize("lengths", [(600, 600), (300, 700)])
+def test_backward_never_holds_more_than_the_gradients(kw, lengths):
+    """Whatever order the scheduler picks, the backward's tasks hold no more gradient arrays
+    than the gradients' own blocks (one running sum per query chunk's dq and per key chunk's dk
+    and dv): a tile adds into the running sums and passes them on, so the memory does not grow
+    with the number of tiles. (Trees of adds over the tiles' partials held up to every tile's
+    three partials: 26-85 arrays here in these random orders, against 17-18.)"""
+    from dask.core import flatten
+    from dask.highlevelgraph import HighLevelGraph
+
+    L, S = lengths
+    q = da.zeros((1, 1, L, 8), chunks=(1, 1, 100, 8))
+    k = da.zeros((1, 1, S, 8), chunks=(1, 1, 100, 8))
+    out, lse = fad.scaled_dot_product_attention(q, k, k, return_lse=True, **kw)
+    grads = fad.scaled_dot_product_attention_backward(q, q, k, k, out, lse, **kw)
+    graph = dict(HighLevelGraph.merge(*(g.__dask_graph__() for g in grads)))
+    outputs = {key for g in grads for key in flatten(g.__dask_keys__())}
+    blocks = L // 100 + 2 * (S // 100)           # dq blocks + dk and dv blocks
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        assert _most_gradient_arrays_held(graph, outputs, rng) <= blocks
+
+
 def test_dropout_with_two_batch_dims_keeps_the_single_process_weights(client):
     rng = np.random.default_rng(21)
     q = rng.standard_normal((2, 3, 2, 40, 8))
