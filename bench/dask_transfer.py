@@ -68,8 +68,8 @@ def _label(name: str, arrays: dict) -> str:
     """An input's own label (q, k, ...), or a fastattn task's kind (its name after the token)."""
     if name in arrays:
         return arrays[name]
-    if name.startswith("fastattn-"):
-        return "fastattn " + name.rsplit("-", 1)[-1]
+    if name.startswith("fastattn-"):                     # fastattn-sdpa[-bwd]-{kind}-{token}
+        return "fastattn " + name.split("-")[-2]
     return name
 
 

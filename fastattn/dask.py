@@ -348,7 +348,7 @@ def _tree(layer, name, parts, fn, index):
     while len(parts) > 1:
         nxt = []
         for i in range(0, len(parts), MERGE_FAN_IN):
-            key = (f"{name}{level}",) + index + (i,)
+            key = (name, level) + index + (i,)
             layer[key] = (fn,) + tuple(parts[i:i + MERGE_FAN_IN])
             nxt.append(key)
         parts, level = nxt, level + 1
@@ -358,8 +358,8 @@ def _tree(layer, name, parts, fn, index):
 def _graph_forward(lay, mask, alibi, sinks, opts, band):
     q, k, v = lay.q, lay.k, lay.v
     nb = lay.nb
-    name = "fastattn-sdpa-" + dask.base.tokenize(q, k, v, None if mask is None else mask.arr,
-                                                 alibi, sinks, repr(opts), repr(band))
+    name = _namer("fastattn-sdpa", dask.base.tokenize(
+        q, k, v, None if mask is None else mask.arr, alibi, sinks, repr(opts), repr(band)))
     layer = {}
     Ev = v.shape[-1]
     batch_shape = q.shape[:nb]
@@ -367,7 +367,7 @@ def _graph_forward(lay, mask, alibi, sinks, opts, band):
     for bidx, hb, li, si, tile in _tiles(lay, band):
         bsl = _slices(q.chunks[:nb], bidx)
         hs = _slices((q.chunks[nb],), (hb,))[0]
-        key = (name + "-tile",) + bidx + (hb, li, si)
+        key = (name("tile"),) + bidx + (hb, li, si)
         layer[key] = (_tile_forward, (q.name,) + bidx + (hb, li, 0),
                       (k.name,) + bidx + (hb, si, 0), (v.name,) + bidx + (hb, si, 0),
                       None if mask is None else mask.block(bidx, hb, li, si),
@@ -380,16 +380,16 @@ def _graph_forward(lay, mask, alibi, sinks, opts, band):
             row = parts.get((bidx, hb, li))
             if not row:
                 shape = tuple(c[i] for c, i in zip(q.chunks, index + (0,)))
-                row = [(name + "-empty",) + index]
+                row = [(name("empty"),) + index]
                 layer[row[0]] = (_empty_part, shape, Ev, lay.dtype)
-            root = _tree(layer, name + "-merge", row, _merge, index)
-            fin = (name + "-fin",) + index
+            root = _tree(layer, name("merge"), row, _merge, index)
+            fin = (name("fin"),) + index
             layer[fin] = (_finish, root, lay.dtype, None if sinks is None else np.asarray(sinks)[hs])
-            layer[(name + "-out",) + index + (0,)] = (_pick, fin, 0)
-            layer[(name + "-lse",) + index] = (_pick, fin, 1)
+            layer[(name("out"),) + index + (0,)] = (_pick, fin, 0)
+            layer[(name("lse"),) + index] = (_pick, fin, 1)
     deps = [q, k, v] + ([] if mask is None else [mask.arr])
-    out = _array(layer, name + "-out", q.chunks[:-1] + ((Ev,),), lay.dtype, deps)
-    lse = _array(layer, name + "-lse", q.chunks[:-1], lse_dtype(compute_dtype(lay.dtype)), deps)
+    out = _array(layer, name("out"), q.chunks[:-1] + ((Ev,),), lay.dtype, deps)
+    lse = _array(layer, name("lse"), q.chunks[:-1], lse_dtype(compute_dtype(lay.dtype)), deps)
     return out, lse
 
 
@@ -450,18 +450,18 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
     o = o.rechunk(q.chunks[:-1] + ((Ev,),))
     s = s.rechunk(q.chunks[:-1])
     band = _parts.global_band(q.shape[-2], k.shape[-2], bool(is_causal), causal_alignment, win)
-    name = "fastattn-sdpa-bwd-" + dask.base.tokenize(
+    name = _namer("fastattn-sdpa-bwd", dask.base.tokenize(
         g, q, k, v, o, s, None if mask is None else mask.arr, alibi_slopes, sinks, repr(opts),
-        band)
+        band))
     keys_part = len(k.chunks[nb + 1]) > 1
     _check_backend(lay, opts, "backward", keys_part)
     layer = {}
     ds_parts = _graph_backward(layer, name, lay, (g, o, s), mask, alibi_slopes, sinks, opts,
                                band, keys_part)
     deps = [g, q, k, v, o, s] + ([] if mask is None else [mask.arr])
-    dq = _array(layer, name + "-dq", q.chunks, lay.dtype, deps)
-    dk = _array(layer, name + "-dk", k.chunks, lay.dtype, deps)
-    dv = _array(layer, name + "-dv", v.chunks, lay.dtype, deps)
+    dq = _array(layer, name("dq"), q.chunks, lay.dtype, deps)
+    dk = _array(layer, name("dk"), k.chunks, lay.dtype, deps)
+    dv = _array(layer, name("dv"), v.chunks, lay.dtype, deps)
     dq, dk, dv = (x.rechunk(c) for x, c in zip((dq, dk, dv), lay.in_chunks))
     if lay.squeeze:
         dq, dk, dv = dq[0], dk[0], dv[0]
@@ -469,9 +469,9 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
         return dq, dk, dv
     Hq = q.shape[-3]
     sdt = np.asarray(sinks).dtype
-    layer[(name + "-dsinks", 0)] = (_sum_dsinks, Hq, sdt, [span for span, _ in ds_parts],
+    layer[(name("dsinks"), 0)] = (_sum_dsinks, Hq, sdt, [span for span, _ in ds_parts],
                                     [t for _, t in ds_parts])
-    dsinks = _array(layer, name + "-dsinks", ((Hq,),), sdt, deps)
+    dsinks = _array(layer, name("dsinks"), ((Hq,),), sdt, deps)
     return dq, dk, dv, dsinks
 
 
@@ -505,7 +505,7 @@ def _graph_backward(layer, name, lay, gos, mask, alibi, sinks, opts, band, keys_
         dq_sum, dkv_sum = {}, {}       # li / si -> the key of the row's / column's running sum
         for li, si in sorted(tiles, key=lambda t: (t[0] - t[1], t[0])):
             row, col, idx = bidx + (hb, li), bidx + (hb, si), bidx + (hb, li, si)
-            key = (name + "-tile",) + idx
+            key = (name("tile"),) + idx
             layer[key] = (_tile_backward, (g.name,) + row + (0,), (q.name,) + row + (0,),
                           (k.name,) + col + (0,), (v.name,) + col + (0,), (o.name,) + row + (0,),
                           (s.name,) + row, None if mask is None else mask.block(bidx, hb, li, si),
@@ -513,28 +513,36 @@ def _graph_backward(layer, name, lay, gos, mask, alibi, sinks, opts, band, keys_
                           dq_sum.get(li), dkv_sum.get(si))
             # dq and (dk, dv) each their own key: the next tile of the row pulls only the dq
             # it adds to, the next of the column only the dk, dv
-            dq_sum[li], dkv_sum[si] = (name + "-tdq",) + idx, (name + "-tdkv",) + idx
+            dq_sum[li], dkv_sum[si] = (name("tdq"),) + idx, (name("tdkv"),) + idx
             layer[dq_sum[li]] = (_pick, key, 0)
             layer[dkv_sum[si]] = (_pick, key, 1)
         for li in range(len(q.chunks[nb + 1])):
             row = bidx + (hb, li)
             shape = tuple(c[i] for c, i in zip(q.chunks, row + (0,)))
             last = dq_sum.get(li)
-            layer[(name + "-dq",) + row + (0,)] = (
+            layer[(name("dq"),) + row + (0,)] = (
                 (_zeros, shape, q.dtype) if last is None else (_cast, last, q.dtype))
             if sinks is not None:
-                key = (name + "-ds",) + row
+                key = (name("ds"),) + row
                 layer[key] = (_row_dsinks, (g.name,) + row + (0,), (o.name,) + row + (0,),
                               (s.name,) + row, sinks_piece)
                 ds_parts.append(((hs.start, hs.stop), key))
         for si in range(len(k.chunks[nb + 1])):
             col = bidx + (hb, si)
             last = dkv_sum.get(si)
-            for j, (x, nm) in enumerate(((k, "-dk"), (v, "-dv"))):
+            for j, (x, nm) in enumerate(((k, "dk"), (v, "dv"))):
                 shape = tuple(c[i] for c, i in zip(x.chunks, col + (0,)))
-                layer[(name + nm,) + col + (0,)] = (
+                layer[(name(nm),) + col + (0,)] = (
                     (_zeros, shape, x.dtype) if last is None else (_cast, (_pick, last, j), x.dtype))
     return ds_parts
+
+
+def _namer(prefix, token):
+    """name(kind) = "prefix-kind-token": the kind before the token, so that dask's key_split
+    gives each kind of task its own prefix (tiles take seconds, picks microseconds: one shared
+    prefix made the scheduler think a pick as slow as a tile, and its work stealing moved picks
+    to idle workers, each pulling its tile's three gradients along)."""
+    return lambda kind: f"{prefix}-{kind}-{token}"
 
 
 def _array(layer, name, chunks, dtype, deps):

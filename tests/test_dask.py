@@ -154,7 +154,7 @@ def test_causal_graph_skips_tiles_above_the_diagonal():
     k = da.zeros((1, 1, 400, 8), chunks=(1, 1, 100, 8))
     out = fad.scaled_dot_product_attention(q, k, k, is_causal=True)
     tiles = [key for key in dict(out.__dask_graph__()) if isinstance(key, tuple)
-             and str(key[0]).endswith("-tile")]
+             and "-sdpa-tile-" in str(key[0])]
     assert len(tiles) == 10                        # 4 + 3 + 2 + 1 of the 16 tiles
 
 
@@ -167,7 +167,7 @@ def test_backward_splits_the_keys():
     grads = fad.scaled_dot_product_attention_backward(q, q, k, k, out, lse, is_causal=True)
     graph = dict(grads[1].__dask_graph__())
     tiles = [task for key, task in graph.items() if isinstance(key, tuple)
-             and str(key[0]).endswith("-tile") and "bwd" in str(key[0])]
+             and "-sdpa-bwd-tile-" in str(key[0])]
     assert len(tiles) == 10                        # 4 + 3 + 2 + 1 of the 16 tiles
     k_blocks = {task[3] for task in tiles}         # (_tile_backward, g, q, k block, ...)
     assert len(k_blocks) == 4 and all(b[0] == k.name for b in k_blocks)
@@ -177,14 +177,16 @@ def test_backward_splits_the_keys():
 PICKS = {"tdq": (0,), "tdk": (1,), "tdv": (2,), "tdkv": (1, 2)}
 
 
+def _kind(key):
+    """What a task of fastattn.dask's graph is: the name's word before the token."""
+    return str(key[0]).split("-")[-2]
+
+
 def _gradient_arrays(graph, outputs):
     """The backward's keys and, for each, the gradient arrays it holds: a tile's three new
     arrays, a pick's share of its tile's, a final block's (its input's, cast in place), else a
     new one (a sum of partials, zeros); by the keys' names in fastattn.dask's graph."""
     from dask.core import get_dependencies
-
-    def kind(key):
-        return str(key[0]).rsplit("-", 1)[-1]
 
     bwd = {key for key in graph if isinstance(key, tuple) and "-sdpa-bwd-" in str(key[0])}
     deps = {key: sorted(d for d in get_dependencies(graph, key) if d in bwd) for key in bwd}
@@ -192,7 +194,7 @@ def _gradient_arrays(graph, outputs):
 
     def held(key):
         if key not in arrays:
-            kd, ins = kind(key), [a for d in deps[key] for a in held(d)]
+            kd, ins = _kind(key), [a for d in deps[key] for a in held(d)]
             if kd == "tile":                 # the running sums it is given die with it
                 arrays[key] = [(key, j) for j in range(3)]
             elif kd in PICKS:
@@ -227,12 +229,12 @@ def _most_gradient_arrays_held(graph, outputs, rng):
                 alive.discard(d)
 
     while len(done) < len(deps):
-        ready = sorted(key for key in deps if key not in done and str(key[0]).rsplit("-", 1)[-1]
-                       not in PICKS and all(d in done for d in deps[key]))
+        ready = sorted(key for key in deps if key not in done and _kind(key) not in PICKS
+                       and all(d in done for d in deps[key]))
         key = ready[rng.integers(len(ready))]
         run(key)
         for u in users[key]:
-            if str(u[0]).rsplit("-", 1)[-1] in PICKS:
+            if _kind(u) in PICKS:
                 run(u)
         most = max(most, len({a for k in alive for a in arrays[k]}))
     return most
