@@ -28,9 +28,12 @@ How the work is cut (`pip install 'fastattn[dask]'`; `import fastattn` never imp
 The backward (`scaled_dot_product_attention_backward`) takes the forward's out and lse and has
 the same tiles: each (query chunk, key chunk) tile computes its share of the gradients with the
 whole problem's lse and D = rowsum(dO * O) (the partial-keys backward: FlashAttention-2's form,
-P = exp(s - lse) over the tile's keys), so no task needs all keys of a head; dq is summed over
-key chunks and dk, dv over query chunks, by trees. With one key chunk the tiles hold every key
-and compute their own row sums instead (the kernels' usual, more accurate form).
+P = exp(s - lse) over the tile's keys), so no task needs all keys of a head. The gradients are
+running sums passed from tile to tile: a tile task adds its share to its row's dq and its
+column's dk, dv and hands them to the next tile of the row and of the column, so each gradient
+block has one partial in memory, in any order the scheduler runs the tasks (trees of adds held
+the partials of every tile whose reduction had not run). With one key chunk the tiles hold every
+key and compute their own row sums instead (the kernels' usual, more accurate form).
 """
 from __future__ import annotations
 
@@ -427,7 +430,8 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
                                           sinks=None, rng=None, backend=None):
     """Gradients (dq, dk, dv) of the dask forward as dask arrays chunked like query, key, value
     (and dsinks as a one-chunk dask array when sinks are given). Same tiles as the forward;
-    each takes the whole problem's lse and D (see the module doc), so no task reads all keys.
+    each takes the whole problem's lse and D (see the module doc), so no task reads all keys,
+    and adds its gradients to running sums it passes on (one partial per gradient block).
     With dropout pass the forward's int `rng`."""
     fn = "fastattn.dask.scaled_dot_product_attention_backward"
     win, opts = _options(fn, dropout_p, is_causal, causal_alignment, window, scale, enable_gqa,
