@@ -42,6 +42,14 @@ CASES = [
     ("bwd B1 H8 d64 causal L1024", "bwd", 1, 8, 8, 1024, 1024, 64, True),
     ("decode GQA 32/8 d128 S16384", "decode", 1, 32, 8, 1, 16384, 128, False),
     ("decode MHA 12/12 d64 S1024", "decode", 1, 12, 12, 1, 1024, 64, False),
+    ("decode MHA 12/12 d64 S128", "decode", 1, 12, 12, 1, 128, 64, False),
+    ("decode MHA 12/12 d64 S4096", "decode", 1, 12, 12, 1, 4096, 64, False),
+    ("decode GQA 32/8 d128 S65536", "decode", 1, 32, 8, 1, 65536, 128, False),
+    ("decode tiny 1/1 d64 S16", "decode", 1, 1, 1, 1, 16, 64, False),
+    # the inference preset's decode (fastattn/bench/kvcache.py): B=8, lengths 512...16384,
+    # Hq=32, Hkv=8, d=128, a flash-layout cache read in place; S is the page size (0: none)
+    ("decode ragged B8 32/8 d128", "kvdecode", 8, 32, 8, 1, 0, 128, False),
+    ("decode ragged paged256 B8 32/8 d128", "kvdecode", 8, 32, 8, 1, 256, 128, False),
 ]
 
 
@@ -71,6 +79,42 @@ def _call(fa, kind, q, k, v, kw):
     out, lse = fa.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
     g = np.ones_like(out)
     return lambda: fa.scaled_dot_product_attention_backward(g, q, k, v, out, lse, **kw)
+
+
+def _kv_decode_call(fa, rng_seed, B, Hq, Hkv, D, page):
+    """attention_with_kvcache over the inference preset's ragged cache (contiguous, or paged
+    when page > 0), built the same way from the same seed for both trees."""
+    import importlib
+
+    kvc = importlib.import_module(fa.__name__ + ".bench.kvcache")
+    DECODE, decode_lengths = kvc.DECODE, kvc.decode_lengths
+    rng = np.random.default_rng(rng_seed)
+    lens = decode_lengths(B, DECODE["lo"], DECODE["hi"])
+    S_max = int(lens.max())
+    q = rng.standard_normal((B, 1, Hq, D), dtype=np.float32)
+    kc = np.zeros((B, S_max, Hkv, D), np.float32)
+    vc = np.zeros((B, S_max, Hkv, D), np.float32)
+    for b in range(B):
+        kc[b, :lens[b]] = rng.standard_normal((lens[b], Hkv, D), dtype=np.float32)
+        vc[b, :lens[b]] = rng.standard_normal((lens[b], Hkv, D), dtype=np.float32)
+    if not page:
+        return lambda be: fa.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, backend=be)
+    n_pages = [-(-int(n) // page) for n in lens]
+    order = rng.permutation(sum(n_pages)).astype(np.int32)      # pages scattered
+    table = np.zeros((B, -(-S_max // page)), np.int32)
+    kp = np.zeros((sum(n_pages), page, Hkv, D), np.float32)
+    vp = np.zeros_like(kp)
+    at = 0
+    for b in range(B):
+        for i in range(n_pages[b]):
+            pg = order[at]
+            at += 1
+            table[b, i] = pg
+            part = slice(i * page, min(int(lens[b]), (i + 1) * page))
+            kp[pg, :part.stop - part.start] = kc[b, part]
+            vp[pg, :part.stop - part.start] = vc[b, part]
+    return lambda be: fa.attention_with_kvcache(q, kp, vp, cache_seqlens=lens,
+                                                 block_table=table, backend=be)
 
 
 def _batch_time(f, n: int) -> float:
@@ -103,13 +147,21 @@ def main(argv=None) -> int:
         print(f"{'backend':8s} {'case':30s} {'old ms':>9s} {'new ms':>9s}  new/old (q1, q3)")
         for be in args.backends.split(","):
             for name, kind, B, Hq, Hkv, L, S, D, causal in CASES:
-                if kind not in kinds:
+                if kind == "kvdecode":
+                    if "decode" not in kinds:
+                        continue
+                    fo = _kv_decode_call(fa_old, 1, B, Hq, Hkv, D, S)
+                    fn = _kv_decode_call(fa_new, 1, B, Hq, Hkv, D, S)
+                    f_old, f_new = (lambda fo=fo, be=be: fo(be)), (lambda fn=fn, be=be: fn(be))
+                elif kind not in kinds:
                     continue
-                q = rng.standard_normal((B, Hq, L, D), dtype=np.float32)
-                k = rng.standard_normal((B, Hkv, S, D), dtype=np.float32)
-                v = rng.standard_normal((B, Hkv, S, D), dtype=np.float32)
-                kw = dict(is_causal=causal, enable_gqa=Hq != Hkv, backend=be)
-                f_old, f_new = _call(fa_old, kind, q, k, v, kw), _call(fa_new, kind, q, k, v, kw)
+                else:
+                    q = rng.standard_normal((B, Hq, L, D), dtype=np.float32)
+                    k = rng.standard_normal((B, Hkv, S, D), dtype=np.float32)
+                    v = rng.standard_normal((B, Hkv, S, D), dtype=np.float32)
+                    kw = dict(is_causal=causal, enable_gqa=Hq != Hkv, backend=be)
+                    f_old = _call(fa_old, kind, q, k, v, kw)
+                    f_new = _call(fa_new, kind, q, k, v, kw)
                 for f in (f_old, f_new, f_old, f_new):      # JIT, caches, pools warm
                     f()
                 n = max(1, int(args.batch_ms / 1e3 / _batch_time(f_new, 1)))

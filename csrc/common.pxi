@@ -83,7 +83,7 @@ cdef extern from "fa_kernels.h" nogil:
     int fa_cpu_level()
     const char *fa_ops_name()
     uint32_t fa_row_key(uint32_t seed, uint32_t bh, uint32_t i)
-    void fa_prefetch(const void *p, ptrdiff_t bytes)
+    void fa_prefetch(const void *p, ptrdiff_t bytes, int kind)
     int fa_forked_child
 
 

@@ -13,7 +13,16 @@ cdef extern from "fa_decode1.h" nogil:
     int fa_decode1_available()
     void fa_decode1_f_avx512(const float *q, const float *K, ptrdiff_t ldk, const float *V,
                              ptrdiff_t ldv, ptrdiff_t n, ptrdiff_t E, ptrdiff_t Ev, float scale,
-                             float *m, float *l, float *O, int prefetch)
+                             float *m, float *l, float *O, int pf_kind, const float *Kpf,
+                             const float *Vpf, ptrdiff_t npf)
+
+cdef extern from "fa_decodeg.h" nogil:
+    int FA_DG_MAXR
+    void fa_decodeg_f_avx512(int R, const float *q, ptrdiff_t ldq, const float *K, ptrdiff_t ldk,
+                             const float *V, ptrdiff_t ldv, ptrdiff_t n, ptrdiff_t E,
+                             ptrdiff_t Ev, float scale, float *m, float *l, float *O,
+                             ptrdiff_t ldo, int pf_kind, const float *Kpf, const float *Vpf,
+                             ptrdiff_t npf)
 
 # Keys per block (tune.dec_bk, default 48): small enough that a block's V (Bk x Ev floats)
 # stays in L1 across the P·V column panels, a multiple of the 12-row key strip so fa_qk never
@@ -22,6 +31,7 @@ cdef extern from "fa_decode1.h" nogil:
 cdef enum:
     DEC_RCAP = 192                   # lanes per item (query rows of one KV group)
     DEC_MIN_CHUNK = 1024             # do not split keys finer than this
+    DEC_HG_BK = 32                   # keys per block of dec_heads_group
 
 
 cdef void dec_rows(AttnProblem *p, ptrdiff_t g, ptrdiff_t nrg, ptrdiff_t Rcap, ptrdiff_t *b,
@@ -41,27 +51,22 @@ cdef void dec_item(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t it, ptrdi
     dec_rows(p, g, nrg, Rcap, &b, &hk, &r0, &rows)
     cdef int64_t qo = seq_q_offset(p, b), nk = seq_keys(p, b)
     cdef int64_t pmin = qo + p.L, pmax = qo - 1
-    cdef int64_t jlo, jhi, end, ko, vo
+    cdef int64_t jlo, jhi, end, ko, vo, n, ahead
     if floating is float:
-        if rows == 1 and dec_one_row_ok(p):
-            # MHA decode (one row per KV head): fa_decode1.h. Row 0 of KV head hk is query
-            # head hk, position qo; the band of one row is the key range [jlo, jhi), read run
-            # by run of keys stored at one stride (kv_segment: the range, or each page).
-            set_lane(p, w, dummy, 0, b, hk, 0)
-            w.rows = 1
+        if dec_group_ok(p, rows):
+            # one query position for the rows of the group (MHA: one row, fa_decode1.h; GQA:
+            # its G rows, fa_decodeg.h).  The band of one position is the key range
+            # [jlo, jhi), read run by run of keys stored at one stride (kv_segment: the range,
+            # or each page).
+            dec_group_start(p, w, dummy, b, hk, rows)
             jlo = max(c * chunk, max(<int64_t>0, qo - p.wl))
             jhi = min(min((c + 1) * chunk, nk), qo + p.wr + 1)
-            (<float *>w.m)[0] = -INFINITY
-            (<float *>w.l)[0] = 0
-            memset(w.O, 0, p.Ev * sizeof(float))
             while jlo < jhi:
                 end = min(kv_segment(p, b, jlo, &ko, &vo), jhi)
-                fa_decode1_f_avx512(<const float *>p.q + w.orow[0] * p.E,
-                                    <const float *>p.k + ko + hk * p.ksh, p.kss,
-                                    <const float *>p.v + vo + hk * p.vsh, p.vss,
-                                    end - jlo, p.E, p.Ev, <float>p.scale,
-                                    <float *>w.m, <float *>w.l, <float *>w.O,
-                                    dec1_prefetch(p))
+                n = end - jlo
+                ahead = dec1_ahead(p)
+                dec_group_run(p, w, hk, ko, vo, n, ko + ahead * p.kss, vo + ahead * p.vss,
+                              n - ahead)
                 jlo = end
             dec_item_done(p, w, dummy, it, rows, nsplit, Rcap, part_O, part_ml)
             return
@@ -99,13 +104,38 @@ cdef bint dec_heads_together(AttnProblem *p, floating *dummy, ptrdiff_t R) noexc
     walks the keys once for all of them, block by block (dec_heads_item), so memory is read in
     order; item by kv head, each head's rows are Hkv*E floats apart, and the same DRAM pages
     were opened once per head (60 vs 36 ms of CPU time for the bench's decode).  Not for the
-    one-row MHA kernel, which runs a head's range in one call."""
-    if p.Hkv < 2 or p.ksh >= p.kss or p.vsh >= p.vss:
-        return False
-    if floating is float:
-        if R == 1 and dec_one_row_ok(p):
-            return False
-    return True
+    fa_decode1.h / fa_decodeg.h take the same walk (dec_heads_group)."""
+    return p.Hkv >= 2 and p.ksh < p.kss and p.vsh < p.vss
+
+
+cdef void dec_heads_group(AttnProblem *p, Work *w0, floating *dummy, ptrdiff_t su,
+                          ptrdiff_t nsplit, ptrdiff_t chunk, floating *part_O,
+                          floating *part_ml) noexcept nogil:
+    """dec_heads_item for the group kernels (dec_group_ok: L = 1, one row group per kv head):
+    item su = (batch, key chunk), every kv head's group rows in work_at(w0, hk); blocks of p.Bk
+    keys, for all kv heads in turn, so the rows of a block are read in memory order."""
+    cdef ptrdiff_t c = su % nsplit, b = su // nsplit, hk, n
+    cdef int64_t qo = seq_q_offset(p, b), nk = seq_keys(p, b), jlo, jhi, end, ko, vo
+    cdef int64_t jp, pko = 0, pvo = 0, npf
+    for hk in range(p.Hkv):
+        dec_group_start(p, work_at(w0, hk), dummy, b, hk, p.G)
+    jlo = max(c * chunk, max(<int64_t>0, qo - p.wl))
+    jhi = min(min((c + 1) * chunk, nk), qo + p.wr + 1)
+    while jlo < jhi:
+        end = min(kv_segment(p, b, jlo, &ko, &vo), jhi)
+        n = min(<int64_t>p.Bk, end - jlo)
+        # the keys pf_ahead on, also on the next page (the hardware prefetchers stop at
+        # a page, and the next one is elsewhere)
+        jp = jlo + p.pf_ahead
+        npf = 0
+        if jp < jhi:
+            npf = min(min(<int64_t>n, kv_segment(p, b, jp, &pko, &pvo) - jp), jhi - jp)
+        for hk in range(p.Hkv):
+            dec_group_run(p, work_at(w0, hk), hk, ko, vo, n, pko, pvo, npf)
+        jlo += n
+    for hk in range(p.Hkv):
+        dec_item_done(p, work_at(w0, hk), dummy, (b * p.Hkv + hk) * nsplit + c, p.G, nsplit,
+                      p.G, part_O, part_ml)
 
 
 cdef void dec_heads_item(AttnProblem *p, Work *w0, floating *dummy, ptrdiff_t su,
@@ -130,31 +160,74 @@ cdef void dec_heads_item(AttnProblem *p, Work *w0, floating *dummy, ptrdiff_t su
     while j0 < jhi:
         n = p.Bk if jhi - j0 > p.Bk else jhi - j0
         for hk in range(p.Hkv):
-            attend_block(p, work_at(w0, hk), dummy, b, hk, j0, n, min(p.Bk, jhi - j0 - n),
-                         pmin, pmax, uniform)
+            attend_block(p, work_at(w0, hk), dummy, b, hk, j0, n,
+                         prefetch_count(p, j0, n, jhi), pmin, pmax, uniform)
         j0 += n
     for hk in range(p.Hkv):
         dec_item_done(p, work_at(w0, hk), dummy, ((b * p.Hkv + hk) * nrg + rg) * nsplit + c,
                       rows, nsplit, Rcap, part_O, part_ml)
 
 
-# fa_decode1.h's software prefetch of the next block pays only when K/V stream from DRAM: with
-# the cache in L2 or L3 the hardware prefetchers keep up and the extra prefetch instructions
-# cost ~10% (12 heads, d=64, one thread CPU time, Xeon with 2 MiB L2/core: S=128 14.6 -> 13.0
-# us, S=1024 278 -> 250, S=4096 1000 -> 930; at S=32768, 201 MB, 14.6 -> 14.3 ms). So it is
-# on only for K/V larger than the last-level cache (sysconf, else 32 MiB).
-import os as _dec_os
-
-cdef int64_t _dec1_prefetch_bytes = 32 << 20
-try:
-    if _dec_os.sysconf("SC_LEVEL3_CACHE_SIZE") > 0:
-        _dec1_prefetch_bytes = _dec_os.sysconf("SC_LEVEL3_CACHE_SIZE")
-except (AttributeError, ValueError, OSError):
-    pass
+# The software prefetch of fa_decode1.h / fa_decodeg.h (prefetcht1, the next block): on by
+# default once the call's K/V exceed 8 MiB.  An earlier rule (from a Xeon) turned it on only
+# above the last-level cache, 32 MiB: on this Zen 4 guest the L3 we get holds 8-16 MiB at
+# most (a plain one-thread read loop: 100 GB/s at 4-8 MiB, 59 at 16, 25 at 24 = DRAM), and
+# the MHA decode of the latency preset (12 heads, d = 64, S = 4096: 25 MB) took 0.39-0.55x
+# the time with the prefetch (bench/ab_trees.py); at S = 2048 (13 MB) 0.54x; at S = 1024
+# (6 MB, in L3) the prefetch cost 6-11%.
+# prefetcht0 and prefetchnta were 1.7-1.8x slower than prefetcht1 on the DRAM rows, none 1.4-2x;
+# two blocks ahead was 1.05-1.1x slower than one.
+cdef enum:
+    DEC1_PREFETCH_BYTES = 8 << 20
 
 
-cdef inline bint dec1_prefetch(AttnProblem *p) noexcept nogil:
-    return <int64_t>p.B * p.Hkv * p.S * (p.E + p.Ev) * <int64_t>sizeof(float) > _dec1_prefetch_bytes
+cdef inline int dec1_prefetch(AttnProblem *p) noexcept nogil:
+    if p.tune.dec_pf_kind >= 0:
+        return p.tune.dec_pf_kind
+    return 2 if (<int64_t>p.B * p.Hkv * p.S * (p.E + p.Ev) * <int64_t>sizeof(float)
+                 > DEC1_PREFETCH_BYTES) else 0
+
+
+cdef inline ptrdiff_t dec1_ahead(AttnProblem *p) noexcept nogil:
+    return p.tune.dec_pf_ahead if p.tune.dec_pf_ahead else 64     # FA_D1_BK: the next block
+
+
+cdef inline bint dec_group_ok(AttnProblem *p, ptrdiff_t rows) noexcept nogil:
+    """fa_decode1.h / fa_decodeg.h serve an item of `rows` rows: float32 on AVX-512, scores
+    with no modifier, one query position (L = 1), at most FA_DG_MAXR rows."""
+    return p.L == 1 and rows <= FA_DG_MAXR and dec_one_row_ok(p)
+
+
+cdef void dec_group_start(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, ptrdiff_t hk,
+                          ptrdiff_t rows) noexcept nogil:
+    """Lanes [0, rows) of w: the query heads of kv head (b, hk)'s group (L = 1), with empty
+    running state."""
+    cdef ptrdiff_t r
+    for r in range(rows):
+        set_lane(p, w, dummy, r, b, hk * p.G + r, 0)
+        (<float *>w.m)[r] = -INFINITY
+        (<float *>w.l)[r] = 0
+    w.rows = rows
+    memset(w.O, 0, rows * p.ldo * sizeof(float))
+
+
+cdef inline void dec_group_run(AttnProblem *p, Work *w, ptrdiff_t hk, int64_t ko, int64_t vo,
+                               ptrdiff_t n, int64_t pko, int64_t pvo, int64_t npf) noexcept nogil:
+    """n keys stored from element offsets ko / vo (kv_segment, kv head 0) against w's group
+    rows, prefetching meanwhile up to npf key rows stored from pko / pvo (same strides)."""
+    cdef const float *q = <const float *>p.q + w.orow[0] * p.E
+    cdef const float *K = <const float *>p.k + ko + hk * p.ksh
+    cdef const float *V = <const float *>p.v + vo + hk * p.vsh
+    if w.rows == 1:
+        fa_decode1_f_avx512(q, K, p.kss, V, p.vss, n, p.E, p.Ev, <float>p.scale,
+                            <float *>w.m, <float *>w.l, <float *>w.O, dec1_prefetch(p),
+                            <const float *>p.k + pko + hk * p.ksh,
+                            <const float *>p.v + pvo + hk * p.vsh, npf)
+    else:
+        fa_decodeg_f_avx512(<int>w.rows, q, p.E, K, p.kss, V, p.vss, n, p.E, p.Ev,
+                            <float>p.scale, <float *>w.m, <float *>w.l, <float *>w.O, p.ldo,
+                            dec1_prefetch(p), <const float *>p.k + pko + hk * p.ksh,
+                            <const float *>p.v + pvo + hk * p.vsh, npf)
 
 
 cdef inline bint dec_one_row_ok(AttnProblem *p) noexcept nogil:
@@ -249,10 +322,12 @@ cdef void dec_merge(AttnProblem *p, floating *dummy, ptrdiff_t g, ptrdiff_t nrg,
         lse[orow] = -INFINITY
 
 
-cdef inline void dec_any(AttnProblem *p, Work *w, floating *dummy, bint heads, ptrdiff_t it,
-                         ptrdiff_t nrg, ptrdiff_t Rcap, ptrdiff_t nsplit, ptrdiff_t chunk,
-                         floating *part_O, floating *part_ml) noexcept nogil:
-    if heads:
+cdef inline void dec_any(AttnProblem *p, Work *w, floating *dummy, bint heads, bint group,
+                         ptrdiff_t it, ptrdiff_t nrg, ptrdiff_t Rcap, ptrdiff_t nsplit,
+                         ptrdiff_t chunk, floating *part_O, floating *part_ml) noexcept nogil:
+    if heads and group:
+        dec_heads_group(p, w, dummy, it, nsplit, chunk, part_O, part_ml)
+    elif heads:
         dec_heads_item(p, w, dummy, it, nrg, Rcap, nsplit, chunk, part_O, part_ml)
     else:
         dec_item(p, w, dummy, it, nrg, Rcap, nsplit, chunk, part_O, part_ml)
@@ -273,18 +348,26 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
     # Items of all kv heads at once (dec_heads_together) are Hkv times larger and a ragged
     # batch's differ by its lengths: split them finer.
     cdef bint heads = dec_heads_together(p, dummy, R)
+    cdef bint group = False
+    if floating is float:
+        group = dec_group_ok(p, R)
     cdef ptrdiff_t units = n_groups // p.Hkv if heads else n_groups
     cdef ptrdiff_t want = (32 if heads else 8) * nt
     cdef ptrdiff_t nsplit = 1
     if units < want:
         nsplit = min((want + units - 1) // units, max(<ptrdiff_t>1, p.S // DEC_MIN_CHUNK))
-    cdef ptrdiff_t chunk = round_up((p.S + nsplit - 1) // nsplit, p.tune.dec_bk) if p.S else 1
     cdef ptrdiff_t n_items = n_groups * nsplit
     cdef ptrdiff_t n_loop = units * nsplit      # loop iterations: items, or items of all heads
     cdef ptrdiff_t n_works = p.Hkv if heads else 1
     nt = resolve_threads(nt, n_loop)
     p.Bk = p.tune.dec_bk
-    p.prefetch = True
+    if heads and group:
+        # dec_heads_group's blocks: all kv heads' rows of DEC_HG_BK keys (Hkv x 32 KB at d =
+        # 128), then the next; a block ahead is prefetched (dec1_prefetch)
+        p.Bk = p.tune.dec_bk if p.tune.dec_bk_set else DEC_HG_BK
+    p.prefetch = 2 if p.tune.dec_pf_kind < 0 else p.tune.dec_pf_kind
+    p.pf_ahead = p.tune.dec_pf_ahead if p.tune.dec_pf_ahead else p.Bk
+    cdef ptrdiff_t chunk = round_up((p.S + nsplit - 1) // nsplit, p.Bk) if p.S else 1
     p.Wcap = round_up(Rcap, k_nr(dummy)) + 16
     p.lds = p.Wcap
     p.ldo = round_up(p.Ev, k_vw(dummy)) if p.Ev > 0 else 1
@@ -306,7 +389,7 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
             fail = 1
         else:
             for it in range(n_loop):
-                dec_any(p, w, dummy, heads, it, nrg, Rcap, nsplit, chunk, part_O, part_ml)
+                dec_any(p, w, dummy, heads, group, it, nrg, Rcap, nsplit, chunk, part_O, part_ml)
             work_free(w)
     else:
         with parallel(num_threads=nt):
@@ -315,8 +398,8 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
                 pfail[0] = 1
             for it in prange(n_loop, schedule='dynamic'):
                 if w != NULL:
-                    dec_any(p, w, dummy, heads, it, nrg, Rcap, nsplit, chunk, part_O,
-                            part_ml)
+                    dec_any(p, w, dummy, heads, group, it, nrg, Rcap, nsplit, chunk,
+                            part_O, part_ml)
             work_free(w)
     if nsplit > 1 and not fail:
         for g in range(n_groups):

@@ -40,16 +40,15 @@ static inline __attribute__((always_inline)) FA_A512 __m512 fa_d1_vexp_(__m512 x
         _mm512_cmp_ps_mask(x, _mm512_set1_ps(FA_EXPF_LO_Z), _CMP_NLT_UQ), p, n);
 }
 
-/* Prefetch the rows `ahead` rows after each of rows [j0, j1) of X (row length `len`, stride
- * ld) toward L2, while the current rows are computed: a cache that does not fit the caches
+/* Prefetch rows [j0, j1) of X (row length `len`, stride ld) with prefetch kind `kind` (the
+ * caller points X ahead of the rows being computed): a cache that does not fit the caches
  * streams from DRAM, and the hardware prefetcher alone left the core waiting (the general
  * path's finding, decode.pxi) */
 static inline __attribute__((always_inline)) void fa_d1_prefetch_(const float *X, ptrdiff_t ld,
                                                                   ptrdiff_t len, ptrdiff_t j0,
-                                                                  ptrdiff_t j1)
+                                                                  ptrdiff_t j1, int kind)
 {
-    for (ptrdiff_t j = j0; j < j1; j++)
-        for (ptrdiff_t e = 0; e < len; e += 16) __builtin_prefetch(X + j * ld + e, 0, 2);
+    for (ptrdiff_t j = j0; j < j1; j++) fa_prefetch(X + j * ld, len * (ptrdiff_t)sizeof(float), kind);
 }
 
 /* s = scale * K[j0 + i] . q for i < 16 (keys past n re-read key n - 1; the caller masks).
@@ -119,7 +118,7 @@ static FA_A512 __m512 fa_d1_scores_(const float *q, ptrdiff_t E, const float *K,
  * chunks of FA_D1_PV_CHUNK; NVX is a compile-time constant at each call (always_inline) */
 static inline __attribute__((always_inline)) FA_A512 void
 fa_d1_pv_(const int NVX, const float *P, ptrdiff_t n, const float *V, ptrdiff_t ldv, float *O,
-          __mmask16 last, float alpha, const float *Vpf, ptrdiff_t npf, ptrdiff_t Ev)
+          __mmask16 last, float alpha, const float *Vpf, ptrdiff_t npf, ptrdiff_t Ev, int kind)
 {
     __m512 o[8];
     const __m512 av = _mm512_set1_ps(alpha);
@@ -132,7 +131,7 @@ fa_d1_pv_(const int NVX, const float *P, ptrdiff_t n, const float *V, ptrdiff_t 
         for (ptrdiff_t j = j0; j < j1; j++) {
             const __m512 pj = _mm512_set1_ps(P[j]);
             const float *vr = V + j * ldv;
-            if (j < npf) fa_d1_prefetch_(Vpf, ldv, Ev, j, j + 1);
+            if (j < npf) fa_d1_prefetch_(Vpf, ldv, Ev, j, j + 1, kind);
             for (int v = 0; v < NVX; v++)
                 acc[v] = _mm512_fmadd_ps(
                     pj, _mm512_maskz_loadu_ps(v == NVX - 1 ? last : 0xFFFF, vr + 16 * v), acc[v]);
@@ -146,7 +145,7 @@ fa_d1_pv_(const int NVX, const float *P, ptrdiff_t n, const float *V, ptrdiff_t 
 /* ... for every column; the first pass also prefetches rows [0, npf) of Vpf (the next block) */
 static FA_A512 void fa_d1_pv_cols_(const float *P, ptrdiff_t n, const float *V, ptrdiff_t ldv,
                                    ptrdiff_t Ev, float *O, float alpha, const float *Vpf,
-                                   ptrdiff_t npf)
+                                   ptrdiff_t npf, int kind)
 {
 
     for (ptrdiff_t c0 = 0; c0 < Ev; c0 += 128) {     /* up to 8 column vectors at a time */
@@ -156,24 +155,28 @@ static FA_A512 void fa_d1_pv_cols_(const float *P, ptrdiff_t n, const float *V, 
         const float *Vc = V + c0;
         float *Oc = O + c0;
         switch (nv) {
-        case 1: fa_d1_pv_(1, P, n, Vc, ldv, Oc, last, alpha, Vpf, c0 ? 0 : npf, Ev); break;
-        case 2: fa_d1_pv_(2, P, n, Vc, ldv, Oc, last, alpha, Vpf, c0 ? 0 : npf, Ev); break;
-        case 3: fa_d1_pv_(3, P, n, Vc, ldv, Oc, last, alpha, Vpf, c0 ? 0 : npf, Ev); break;
-        case 4: fa_d1_pv_(4, P, n, Vc, ldv, Oc, last, alpha, Vpf, c0 ? 0 : npf, Ev); break;
-        case 5: fa_d1_pv_(5, P, n, Vc, ldv, Oc, last, alpha, Vpf, c0 ? 0 : npf, Ev); break;
-        case 6: fa_d1_pv_(6, P, n, Vc, ldv, Oc, last, alpha, Vpf, c0 ? 0 : npf, Ev); break;
-        case 7: fa_d1_pv_(7, P, n, Vc, ldv, Oc, last, alpha, Vpf, c0 ? 0 : npf, Ev); break;
-        default: fa_d1_pv_(8, P, n, Vc, ldv, Oc, last, alpha, Vpf, c0 ? 0 : npf, Ev); break;
+        case 1: fa_d1_pv_(1, P, n, Vc, ldv, Oc, last, alpha, Vpf, c0 ? 0 : npf, Ev, kind); break;
+        case 2: fa_d1_pv_(2, P, n, Vc, ldv, Oc, last, alpha, Vpf, c0 ? 0 : npf, Ev, kind); break;
+        case 3: fa_d1_pv_(3, P, n, Vc, ldv, Oc, last, alpha, Vpf, c0 ? 0 : npf, Ev, kind); break;
+        case 4: fa_d1_pv_(4, P, n, Vc, ldv, Oc, last, alpha, Vpf, c0 ? 0 : npf, Ev, kind); break;
+        case 5: fa_d1_pv_(5, P, n, Vc, ldv, Oc, last, alpha, Vpf, c0 ? 0 : npf, Ev, kind); break;
+        case 6: fa_d1_pv_(6, P, n, Vc, ldv, Oc, last, alpha, Vpf, c0 ? 0 : npf, Ev, kind); break;
+        case 7: fa_d1_pv_(7, P, n, Vc, ldv, Oc, last, alpha, Vpf, c0 ? 0 : npf, Ev, kind); break;
+        default: fa_d1_pv_(8, P, n, Vc, ldv, Oc, last, alpha, Vpf, c0 ? 0 : npf, Ev, kind); break;
         }
     }
 }
 
 /* One query row q[E] against keys [0, n) of K (stride ldk) and V (stride ldv), updating the
- * online-softmax state *m, *l and O[Ev] (unnormalised). */
+ * online-softmax state *m, *l and O[Ev] (unnormalised).  Meanwhile the block of keys
+ * [j0, j0 + nb) prefetches rows [j0, j0 + nb) of Kpf / Vpf (same strides) below npf, with
+ * prefetch kind pf_kind (fa_prefetch; 0 none): the caller points them `ahead` keys on (or at
+ * the next page of a paged cache). */
 static FA_A512 void fa_decode1_f_avx512(const float *q, const float *K, ptrdiff_t ldk,
                                         const float *V, ptrdiff_t ldv, ptrdiff_t n,
                                         ptrdiff_t E, ptrdiff_t Ev, float scale, float *m_io,
-                                        float *l_io, float *O, int prefetch)
+                                        float *l_io, float *O, int pf_kind,
+                                        const float *Kpf, const float *Vpf, ptrdiff_t npf)
 {
     float m = *m_io;
     double l = *l_io;             /* one add per block: keep it in double across blocks */
@@ -186,11 +189,12 @@ static FA_A512 void fa_decode1_f_avx512(const float *q, const float *K, ptrdiff_
         __m512 mx = _mm512_set1_ps(-__builtin_inff());
         /* the next block, spread over this one: its K rows during the scores, its V rows
          * key by key during P·V (one burst per block stalled on full fill buffers) */
-        const ptrdiff_t nn = prefetch ? (n - j0 - nb < FA_D1_BK ? n - j0 - nb : FA_D1_BK) : 0;
+        const ptrdiff_t left = npf - j0;
+        const ptrdiff_t nn = pf_kind && left > 0 ? (left < nb ? left : nb) : 0;
         for (int g = 0; g < ng; g++) {
             if (16 * g < nn)
-                fa_d1_prefetch_(Kb + FA_D1_BK * ldk, ldk, E, 16 * g,
-                                16 * g + 16 < nn ? 16 * g + 16 : nn);
+                fa_d1_prefetch_(Kpf + j0 * ldk, ldk, E, 16 * g,
+                                16 * g + 16 < nn ? 16 * g + 16 : nn, pf_kind);
             s[g] = fa_d1_scores_(q, E, Kb, ldk, 16 * g, nb, scale);
             if (16 * g + 16 > nb)                   /* keys past the end: -inf */
                 s[g] = _mm512_mask_blend_ps((__mmask16)((1u << (nb - 16 * g)) - 1),
@@ -211,7 +215,8 @@ static FA_A512 void fa_decode1_f_avx512(const float *q, const float *K, ptrdiff_
         }
         l = l * alpha + (double)_mm512_reduce_add_ps(sum);
         m = mn;
-        fa_d1_pv_cols_(P, nb, V + j0 * ldv, ldv, Ev, O, alpha, V + (j0 + FA_D1_BK) * ldv, nn);
+        fa_d1_pv_cols_(P, nb, V + j0 * ldv, ldv, Ev, O, alpha, Vpf + j0 * ldv, nn,
+                       pf_kind);
     }
     *m_io = m;
     *l_io = (float)l;
@@ -224,8 +229,10 @@ static inline int fa_decode1_available(void) { return 0; }
 static inline void fa_decode1_f_avx512(const float *q, const float *K, ptrdiff_t ldk,
                                        const float *V, ptrdiff_t ldv, ptrdiff_t n, ptrdiff_t E,
                                        ptrdiff_t Ev, float scale, float *m_io, float *l_io,
-                                       float *O, int prefetch) { (void)q; (void)K; (void)ldk;
+                                       float *O, int pf_kind, const float *Kpf,
+                                       const float *Vpf, ptrdiff_t npf) { (void)q;
+    (void)K; (void)ldk; (void)Kpf; (void)Vpf; (void)npf;
     (void)V; (void)ldv; (void)n; (void)E; (void)Ev; (void)scale; (void)m_io; (void)l_io;
-    (void)O; (void)prefetch; }
+    (void)O; (void)pf_kind; }
 #endif
 #endif /* FA_DECODE1_H */

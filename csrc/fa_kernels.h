@@ -210,10 +210,24 @@ static inline int fa_geometry(int is_float, int which)
 #else
 #define FA_PREFETCH_L2(addr) __builtin_prefetch((addr), 0, 2)
 #endif
-static inline void fa_prefetch(const void *p, ptrdiff_t bytes)
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#define FA_PREFETCH_ASM(ins, addr) __asm__ __volatile__(ins " %0" : : "m"(*(const char *)(addr)))
+#define FA_PREFETCH_T0(addr) FA_PREFETCH_ASM("prefetcht0", addr)
+#define FA_PREFETCH_NTA(addr) FA_PREFETCH_ASM("prefetchnta", addr)
+#else
+#define FA_PREFETCH_T0(addr) __builtin_prefetch((addr), 0, 3)
+#define FA_PREFETCH_NTA(addr) __builtin_prefetch((addr), 0, 0)
+#endif
+/* kind: 1 prefetcht0, 2 prefetcht1, 3 prefetchnta, else none */
+static inline void fa_prefetch(const void *p, ptrdiff_t bytes, int kind)
 {
     const char *c = (const char *)p;
-    for (ptrdiff_t o = 0; o < bytes; o += 64) FA_PREFETCH_L2(c + o);
+    if (kind == 1)
+        for (ptrdiff_t o = 0; o < bytes; o += 64) FA_PREFETCH_T0(c + o);
+    else if (kind == 2)
+        for (ptrdiff_t o = 0; o < bytes; o += 64) FA_PREFETCH_L2(c + o);
+    else if (kind == 3)
+        for (ptrdiff_t o = 0; o < bytes; o += 64) FA_PREFETCH_NTA(c + o);
 }
 
 /* set from os.register_at_fork(after_in_child=...): libgomp's thread pool does not survive

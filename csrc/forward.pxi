@@ -181,14 +181,14 @@ cdef void start_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t rows, p
 
 
 cdef inline void prefetch_rows(const floating *X, ptrdiff_t ld, ptrdiff_t rows,
-                               ptrdiff_t len) noexcept nogil:
+                               ptrdiff_t len, int kind) noexcept nogil:
     """Prefetch rows [0, rows) of X (row length len, stride ld): one run when they touch."""
     cdef ptrdiff_t r
     if ld == len:
-        fa_prefetch(X, rows * len * sizeof(floating))
+        fa_prefetch(X, rows * len * sizeof(floating), kind)
         return
     for r in range(rows):
-        fa_prefetch(X + r * ld, len * sizeof(floating))
+        fa_prefetch(X + r * ld, len * sizeof(floating), kind)
 
 
 cdef inline bint rows_allfinite(const floating *X, ptrdiff_t ld, ptrdiff_t rows,
@@ -248,11 +248,20 @@ cdef void prefetch_keys(AttnProblem *p, floating *dummy, ptrdiff_t b, ptrdiff_t 
         end = kv_segment(p, b, j, &ko, &vo)
         cnt = min(end - j, n)
         if values:
-            prefetch_rows(<const floating *>p.v + vo + hk * p.vsh, p.vss, cnt, len)
+            prefetch_rows(<const floating *>p.v + vo + hk * p.vsh, p.vss, cnt, len, p.prefetch)
         else:
-            prefetch_rows(<const floating *>p.k + ko + hk * p.ksh, p.kss, cnt, len)
+            prefetch_rows(<const floating *>p.k + ko + hk * p.ksh, p.kss, cnt, len, p.prefetch)
         j += cnt
         n -= cnt
+
+
+cdef inline ptrdiff_t prefetch_count(AttnProblem *p, int64_t j0, ptrdiff_t n,
+                                     int64_t jhi) noexcept nogil:
+    """Keys to prefetch during block [j0, j0 + n): those from j0 + pf_ahead on, as many as the
+    block has, up to jhi (0 when prefetch is off)."""
+    if not p.prefetch:
+        return 0
+    return max(<int64_t>0, min(<int64_t>n, jhi - j0 - p.pf_ahead))
 
 
 cdef void attend_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, ptrdiff_t hk,
@@ -264,8 +273,8 @@ cdef void attend_rows(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, ptr
     cdef ptrdiff_t n
     while j0 < jhi:
         n = p.Bk if jhi - j0 > p.Bk else jhi - j0
-        attend_block(p, w, dummy, b, hk, j0, n,
-                     min(p.Bk, jhi - j0 - n) if p.prefetch else 0, pmin, pmax, uniform)
+        attend_block(p, w, dummy, b, hk, j0, n, prefetch_count(p, j0, n, jhi), pmin, pmax,
+                     uniform)
         j0 += n
 
 
@@ -306,7 +315,7 @@ cdef void attend_block(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, pt
             k_qk(K + s0 * ldk, ldk, ns, E, <const floating *>w.Qt, W, pw_nv,
                  S + s0 * lds, lds, cmax if clean else NULL, <floating *>w.kpad, p.scale)
         if s0 < n2:
-            prefetch_keys(p, dummy, b, hk, j0 + n + s0, min(ns, n2 - s0), False)
+            prefetch_keys(p, dummy, b, hk, j0 + p.pf_ahead + s0, min(ns, n2 - s0), False)
         s0 += ns
     if dot or not clean:
         # spec order: softcap, ALiBi, float mask, bool mask, window (the last three
@@ -336,7 +345,7 @@ cdef void attend_block(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, pt
         k_pv(S + s0 * lds, lds, ns, V + s0 * ldv, ldv, Ev, <floating *>w.O, p.ldo,
              <const floating *>w.alpha, rows, exact)
         if s0 < n2:
-            prefetch_keys(p, dummy, b, hk, j0 + n + s0, min(ns, n2 - s0), True)
+            prefetch_keys(p, dummy, b, hk, j0 + p.pf_ahead + s0, min(ns, n2 - s0), True)
         s0 += ns
         if s0 < n:
             for i in range(p.Wcap):
@@ -436,7 +445,8 @@ cdef int run_forward(AttnProblem *p, floating *dummy) noexcept nogil:
     cdef Work *w = NULL
     cdef bint lf = banded
     p.Bk = p.tune.fwd_bk
-    p.prefetch = False
+    p.prefetch = 0
+    p.pf_ahead = 0
     p.Wcap = round_up(Bq if Bq < p.L else p.L, k_nr(dummy)) + 16
     p.lds = p.Wcap
     p.ldo = round_up(p.Ev, k_vw(dummy)) if p.Ev > 0 else 1

@@ -25,7 +25,10 @@ ctypedef struct Tune:                # KernelArgs.tuning, defaults applied and c
     ptrdiff_t bwd_keep_bytes         #   largest band tiles per thread kept between sweeps
     ptrdiff_t dec_bk                 # decode: keys per block
     bint dec_use_dot                 #   dot-product scores for <= 4 rows
+    bint dec_bk_set                  #   dec_bk was given (not the default)
     ptrdiff_t pf_qk, pf_pv           #   keys per slice between prefetches (multiples of 12, 32)
+    int dec_pf_kind                  #   -1 the kernel's choice, 0 none, 1 t0, 2 t1, 3 nta
+    ptrdiff_t dec_pf_ahead           #   keys between a block and the keys prefetched during it
 
 
 ctypedef struct AttnProblem:
@@ -65,8 +68,10 @@ ctypedef struct AttnProblem:
     Tune tune
     # set by the kernel family before its loop
     ptrdiff_t Bk                     # keys per block
-    bint prefetch                    # software-prefetch the next K/V block (decode streams
-                                     # K/V from DRAM once; forward re-reads them from L2)
+    int prefetch                     # software prefetch of K/V ahead: 0 none, else the kind
+                                     # (fa_prefetch; decode streams K/V from DRAM once, the
+                                     # forward re-reads them from L2)
+    ptrdiff_t pf_ahead               # keys from a block's first key to the first prefetched
     ptrdiff_t Wcap                   # lane capacity of the scratch (query rows per item + slack)
     ptrdiff_t lds, ldo               # row strides of S and of the accumulator O
 
@@ -154,12 +159,18 @@ cdef int fill_tune_fields(Tune *t, object tuning) except -1:
         raise ValueError(f"tuning.bwd_keep_bytes must be >= 0 (-1 = default "
                          f"{BWD_KEEP_BYTES}), got {tuning.bwd_keep_bytes}")
     t.dec_bk = tune_field(tuning, "decode_block_k", 48, 1, 0, 0)
+    t.dec_bk_set = tuning.decode_block_k != 0
     if tuning.decode_use_dot not in (-1, 0, 1):
         raise ValueError(f"tuning.decode_use_dot must be 0 or 1 (-1 = default 1), "
                          f"got {tuning.decode_use_dot}")
     t.dec_use_dot = tuning.decode_use_dot != 0
     t.pf_qk = tune_field(tuning, "prefetch_qk", 12, 12, 0, 0)
     t.pf_pv = tune_field(tuning, "prefetch_pv", 32, 32, 0, 0)
+    if tuning.decode_prefetch not in (-1, 0, 1, 2, 3):
+        raise ValueError(f"tuning.decode_prefetch must be 0 (off), 1 (t0), 2 (t1) or 3 (nta) "
+                         f"(-1 = default), got {tuning.decode_prefetch}")
+    t.dec_pf_kind = tuning.decode_prefetch
+    t.dec_pf_ahead = tune_field(tuning, "decode_prefetch_ahead", 0, 1, 0, 0)
     return 0
 
 

@@ -32,6 +32,8 @@ class Tuning(NamedTuple):
     decode_use_dot: int = -1         # decode (cython): dot-product scores for <= 4 rows (0/1)
     prefetch_qk: int = 0             # decode (cython): keys per slice between prefetches
     prefetch_pv: int = 0
+    decode_prefetch: int = -1        # decode (cython): 0 off, 1 prefetcht0, 2 prefetcht1, 3 nta
+    decode_prefetch_ahead: int = 0   # decode (cython): prefetch keys this far ahead
 
 
 DEFAULT = Tuning()

@@ -372,6 +372,69 @@ def test_decode_prefetch_slices_same_bits(K, level, dtype, L):
         assert np.isfinite(sliced[0]).all()
 
 
+@pytest.mark.parametrize("G", [2, 3, 4, 5, 8, 9])
+def test_decode_group_kernel(K, level, G):
+    """float32 decode of one query position (L = 1) with G query heads per kv head: 2..8 rows
+    run in fa_decodeg.h (AVX-512; other levels the general path), 9 in the general path.
+    E = 40 and Ev = 24 (not multiples of 16), S = 3000 (the keys split across threads and
+    merge), against the reference; the software prefetch (kind, distance) never changes the
+    bits."""
+    rng = np.random.default_rng(G)
+    q = randn(rng, (2, 2 * G, 1, 40), np.float32)
+    k, v = randn(rng, (2, 2, 3000, 40), np.float32), randn(rng, (2, 2, 3000, 24), np.float32)
+    sinks = randn(rng, (2 * G,), np.float32)
+    for kw in ({}, dict(is_causal=True, causal_alignment="bottom_right", window=(1500, 0)),
+               dict(sinks=sinks)):
+        check(K, "decode", 2, q, k, v, **kw)
+        p = make_problem(q, k, v, enable_gqa=True, **kw)
+        base = run_kernel(K, "decode", p, 2)
+        for pf, ahead in ((0, 0), (1, 17), (2, 200), (3, 64)):
+            with tuning(decode_prefetch=pf, decode_prefetch_ahead=ahead):
+                again = run_kernel(K, "decode", p, 2)
+            for a, b in zip(base, again):
+                assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("G", [1, 3, 8])
+def test_decode_group_kernel_paged_ragged(K, level, G):
+    """attention_with_kvcache (flash layout read in place, all kv heads of a sequence walked
+    together: dec_heads_group) on a ragged batch, contiguous and paged with pages of 16 keys
+    (blocks of 32 keys cross pages, the prefetch follows the next page): against the numpy
+    float64 computation under the tolerance rule; the prefetch never changes the bits."""
+    rng = np.random.default_rng(10 + G)
+    B, Hkv, E, page = 3, 2, 40, 16
+    lens = np.array([5, 700, 1300], np.int32)
+    S_max = 1312
+    q = randn(rng, (B, 1, Hkv * G, E), np.float32)
+    kc = randn(rng, (B, S_max, Hkv, E), np.float32)
+    vc = randn(rng, (B, S_max, Hkv, E), np.float32)
+    n_pages = S_max // page
+    order = rng.permutation(B * n_pages).astype(np.int32)
+    table = order.reshape(B, n_pages)
+    kp = np.zeros((B * n_pages, page, Hkv, E), np.float32)
+    vp = np.zeros_like(kp)
+    for b in range(B):
+        for i in range(n_pages):
+            kp[table[b, i]] = kc[b, i * page:(i + 1) * page]
+            vp[table[b, i]] = vc[b, i * page:(i + 1) * page]
+    naive = fa.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, backend="numpy",
+                                      return_lse=True)
+    ref64 = fa.attention_with_kvcache(q.astype(np.float64), kc.astype(np.float64),
+                                    vc.astype(np.float64), cache_seqlens=lens,
+                                    backend="numpy", return_lse=True)
+    for kw in ({}, dict(block_table=table)):
+        cache = (kp, vp) if kw else (kc, vc)
+        got = fa.attention_with_kvcache(q, *cache, cache_seqlens=lens, backend="cython",
+                                        return_lse=True, **kw)
+        for g, r64, r32, what in zip(got, ref64, naive, ("out", "lse")):
+            assert_close_to_reference(g, r64, r32, np.float32, f"{what} {kw.keys()}")
+        with tuning(decode_prefetch=0):
+            again = fa.attention_with_kvcache(q, *cache, cache_seqlens=lens,
+                                              backend="cython", return_lse=True, **kw)
+        for a, b in zip(got, again):
+            assert np.array_equal(a, b)
+
+
 def test_tuning_is_per_call_and_checked(K):
     """Block sizes come from the record (fastattn._tuning), not from process-global setters:
     other sizes give the same answer within the tolerance, the defaults are restored after the
@@ -395,7 +458,8 @@ def test_tuning_is_per_call_and_checked(K):
         assert np.array_equal(a, b)
     bad = [("block_q", 100), ("block_k", -1), ("bwd_block_q", 128), ("bwd_block_q", 40),
            ("bwd_keep_bytes", -2), ("decode_use_dot", 2), ("prefetch_qk", 13),
-           ("prefetch_pv", 48), ("decode_block_k", -5)]
+           ("prefetch_pv", 48), ("decode_block_k", -5), ("decode_prefetch", 4),
+           ("decode_prefetch_ahead", -3)]
     for field, value in bad:
         with tuning(**{field: value}), pytest.raises(ValueError, match=f"tuning.{field}"):
             run_kernel(K, "forward", p, 1)
