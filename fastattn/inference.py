@@ -168,12 +168,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     rotary_cos, rotary_sin : (seqlen_ro, rotary_dim / 2): rotary embedding applied to q and the
         new k at their absolute positions (GPT-J pairs when rotary_interleaved, GPT-NeoX halves
         otherwise). As in flash-attn, q rows sit at cache_seqlens[b] + i when is_causal or a
-        window side is below the cache's capacity per sequence (a wider side is no window, as
-        flash-attn clamps it), and all at cache_seqlens[b] otherwise. As in flash-attn, they
+        window side is below the cache's capacity per sequence, and all at cache_seqlens[b]
+        otherwise. As in flash-attn, they
         need k and v (of length 0 to add no token).
     Then q of sequence b attends to its first cache_seqlens[b] + Lnew keys, causal bottom-right
     when is_causal (the last query sits on the last key). window, softcap, alibi_slopes ((Hq,)
-    or (B, Hq)), sinks, scale: as in scaled_dot_product_attention.
+    or (B, Hq)), sinks, scale: as in scaled_dot_product_attention, except that a window side
+    at least the cache's capacity per sequence is no side (flash-attn's rule).
 
     Returns out (B, Lq, Hq, Ev), and lse (B, Hq, Lq) when return_lse.
     """
@@ -257,11 +258,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         raise ValueError(f"{fn}: cache_seqlens[{b}] + Lnew = {int(lens[b])} + {Lnew} exceeds the "
                          f"cache's capacity of {capacity} tokens per sequence")
     rot = _rotary_tables(rotary_cos, rotary_sin, E, fn)
-    # q's rotary positions follow flash-attn: cache_seqlens + i when causal or local, else all
-    # at cache_seqlens. "Local" as flash_api.cpp has it: a window side counts when it is below
-    # the cache's capacity per sequence (seqlen_k there); a wider side is no window.
-    banded = bool(is_causal) or any(w is not None and w < capacity
-                                    for w in check_window(window, fn))
+    # A window side at least the cache's capacity per sequence is no side, as flash_api.cpp
+    # has it (it sets a side >= seqlen_k to -1): for the mask, and for q's rotary positions,
+    # which are cache_seqlens + i when causal or local (a side left), else all cache_seqlens.
+    window = tuple(None if w is None or w >= capacity else w for w in check_window(window, fn))
+    banded = bool(is_causal) or window != (None, None)
     if rot is not None and k is None:
         # flash-attn refuses this too: with no new token, q's position is ambiguous (at
         # cache_seqlens it would sit one past the last key, where causal puts the last query)

@@ -205,7 +205,9 @@ def flash_model_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
             return rows[b], p
     rot = rotary_cos is not None
     left, right = (None, None) if window is None else window
-    local = _side(left, cap) >= 0 or _side(right, cap) >= 0
+    left, right = _side(left, cap), _side(right, cap)     # flash_api.cpp: >= seqlen_k is -1
+    window = (left, right)
+    local = left >= 0 or right >= 0
     out = np.zeros((B, Lq, Hq, v_cache.shape[3]), dt)
     lse = np.zeros((B, Hq, Lq), dt)
     for b in range(B):
@@ -1051,3 +1053,20 @@ def test_new_keys_of_length_zero_write_nothing_so_need_nothing_writeable(backend
     got = fa.attention_with_kvcache(call["q"], kc, vc, k0, v0, backend=backend, **kw)
     want = flash_model_kvcache(call["q"], kc, vc, **kw)[0]
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_window_side_wider_than_the_cache_is_no_side(backend):
+    """flash-attn sets a window side >= seqlen_k (the cache's capacity) to -1 before anything
+    else, for the mask as for the rotary positions. It shows when more queries than the cache
+    holds look right of the band: 5 queries on a cache of capacity 2 holding 1 key,
+    window (None, 2): row i sits at i - 4, so rows 0 and 1 would see no key under (None, 2);
+    with the side dropped every row sees the key. Decision: as flash-attn."""
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((1, 5, 1, 4))
+    kc, vc = rng.standard_normal((2, 1, 2, 1, 4))
+    kw = dict(cache_seqlens=np.array([1], np.int32), is_causal=False, window=(None, 2))
+    got = fa.attention_with_kvcache(q, kc, vc, backend=backend, **kw)
+    np.testing.assert_allclose(got, np.broadcast_to(vc[0, 0], got.shape[1:])[None], rtol=1e-12)
+    want = flash_model_kvcache(q, kc, vc, **kw)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-12)
