@@ -394,6 +394,13 @@ def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     return q, k, v, cq, ck
 
 
+def _varlen_window(window, ck: np.ndarray, max_seqlen_k, fn: str):
+    """flash-attn's rule (mha_varlen_fwd/bwd): a window side >= max_seqlen_k (the longest key
+    sequence when not given) is no side."""
+    cap = max_seqlen_k if max_seqlen_k is not None else int(np.diff(ck).max(initial=0))
+    return tuple(None if w is None or w >= cap else w for w in check_window(window, fn))
+
+
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                      max_seqlen_k=None, is_causal=False, window=None, softcap=None,
                      alibi_slopes=None, sinks=None, scale=None, return_lse=False, backend=None):
@@ -404,12 +411,14 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
     k[cu_seqlens_k[i]:cu_seqlens_k[i+1]] (int32 arrays of batch + 1 offsets). Each sequence
     attends only within itself; is_causal is bottom-right per sequence (flash-attn). GQA when
     Hq != Hkv. window, softcap, alibi_slopes ((Hq,) or (batch, Hq)), sinks, scale as in
-    scaled_dot_product_attention. max_seqlen_q/k are optional checks (flash-attn needs them to
-    size its grid). Returns out (total_q, Hq, Ev), and lse (Hq, total_q) when return_lse.
+    scaled_dot_product_attention, except that a window side >= max_seqlen_k (the longest key
+    sequence when not given) is no side, as in flash-attn. max_seqlen_q/k are optional checks
+    (flash-attn needs them to size its grid). Returns out (total_q, Hq, Ev), and lse (Hq, total_q) when return_lse.
     """
     fn = "varlen_attention"
     q, k, v, cq, ck = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                       max_seqlen_k, fn)
+    window = _varlen_window(window, ck, max_seqlen_k, fn)
     n_seq, Hq, Hkv = cq.size - 1, q.shape[1], k.shape[1]
     opts = _sequence_options(is_causal, window, softcap, sinks, scale, Hq != Hkv, backend)
     alibis = [_alibi_row(alibi_slopes, i, n_seq, Hq, fn) for i in range(n_seq)]
@@ -435,6 +444,7 @@ def varlen_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seql
     fn = "varlen_attention_backward"
     q, k, v, cq, ck = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                       max_seqlen_k, fn)
+    window = _varlen_window(window, ck, max_seqlen_k, fn)
     n_seq, Hq, Hkv = cq.size - 1, q.shape[1], k.shape[1]
     g = as_float_array(grad_out, "grad_out", fn)
     o = as_float_array(out, "out", fn)

@@ -234,9 +234,19 @@ def flash_model_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
     return out, lse, kc, vc
 
 
+def _varlen_window(window, cu_k, max_seqlen_k):
+    """flash_api.cpp's mha_varlen_fwd/bwd: a window side >= max_seqlen_k is -1 (no side)."""
+    if window is None:
+        return None
+    cap = max_seqlen_k if max_seqlen_k is not None else int(np.diff(cu_k).max(initial=0))
+    return tuple(None if _side(w, cap) < 0 else w for w in window)
+
+
 def flash_model_varlen(q, k, v, cu_q, cu_k, *, is_causal=False, window=None, softcap=None,
-                       alibi_slopes=None, sinks=None, scale=None, dt=np.float64):
+                       alibi_slopes=None, sinks=None, scale=None, max_seqlen_q=None,
+                       max_seqlen_k=None, dt=np.float64):
     """flash_attn_varlen_func, dense, in dt: out (total_q, Hq, Ev), lse (Hq, total_q)."""
+    window = _varlen_window(window, cu_k, max_seqlen_k)
     out = np.zeros(q.shape[:2] + (v.shape[2],), dt)
     lse = np.zeros((q.shape[1], q.shape[0]), dt)
     for i in range(len(cu_q) - 1):
@@ -295,7 +305,8 @@ def attend_backward(g, q, k, v, qpos, *, causal, window, softcap, slopes, sinks,
 
 def flash_model_varlen_backward(g, q, k, v, cu_q, cu_k, *, is_causal=False, window=None,
                                 softcap=None, alibi_slopes=None, sinks=None, scale=None,
-                                dt=np.float64):
+                                max_seqlen_q=None, max_seqlen_k=None, dt=np.float64):
+    window = _varlen_window(window, cu_k, max_seqlen_k)
     dq, dk, dv = (np.zeros(x.shape, dt) for x in (q, k, v))
     dsinks = None if sinks is None else np.zeros(len(sinks), dt)
     for i in range(len(cu_q) - 1):
@@ -675,16 +686,17 @@ def test_varlen_forward_and_backward_match_the_flash_model(backend, call):
     saved = [x.copy() for x in (q, k, v, cu_q, cu_k, g)]
     out, lse = fa.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True, backend=backend,
                                    **call["extra"], **opts)
-    out64, lse64 = flash_model_varlen(q, k, v, cu_q, cu_k, **opts)
-    out_lo, lse_lo = flash_model_varlen(q, k, v, cu_q, cu_k, **opts, dt=dtype)
+    out64, lse64 = flash_model_varlen(q, k, v, cu_q, cu_k, **call["extra"], **opts)
+    out_lo, lse_lo = flash_model_varlen(q, k, v, cu_q, cu_k, **call["extra"], **opts, dt=dtype)
     assert out.dtype == dtype and lse.dtype == dtype and lse.shape == (q.shape[1], q.shape[0])
     slack = score_slack(q, [k], [v], opts, q.shape[0] + k.shape[0], dtype)
     assert_close_to_reference(out, out64, out_lo, dtype, "out", slack)
     assert_close_to_reference(lse, lse64, lse_lo, dtype, "lse")
     grads = fa.varlen_attention_backward(g, q, k, v, out, lse, cu_q, cu_k, backend=backend,
                                          **call["extra"], **opts)
-    want64 = flash_model_varlen_backward(g, q, k, v, cu_q, cu_k, **opts)
-    want_lo = flash_model_varlen_backward(g, q, k, v, cu_q, cu_k, **opts, dt=dtype)
+    want64 = flash_model_varlen_backward(g, q, k, v, cu_q, cu_k, **call["extra"], **opts)
+    want_lo = flash_model_varlen_backward(g, q, k, v, cu_q, cu_k, **call["extra"], **opts,
+                                          dt=dtype)
     assert len(grads) == (4 if opts.get("sinks") is not None else 3)
     for name, got, w64, wlo in zip(("dq", "dk", "dv", "dsinks"), grads, want64, want_lo):
         assert got.shape == w64.shape, name
@@ -1070,3 +1082,26 @@ def test_a_window_side_wider_than_the_cache_is_no_side(backend):
     np.testing.assert_allclose(got, np.broadcast_to(vc[0, 0], got.shape[1:])[None], rtol=1e-12)
     want = flash_model_kvcache(q, kc, vc, **kw)[0]
     np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_varlen_window_side_wider_than_max_seqlen_k_is_no_side(backend):
+    """flash-attn's varlen forward and backward set a window side >= max_seqlen_k to -1: with
+    5 queries on 1 key, window (None, 2) (>= max_seqlen_k = 1 when not given, or given as 2)
+    leaves every row the key; given max_seqlen_k = 3 the side counts and rows 0-1 (at
+    positions -4, -3) see nothing. Decision: as flash-attn."""
+    rng = np.random.default_rng(6)
+    q, g = rng.standard_normal((2, 5, 1, 4))
+    k, v = rng.standard_normal((2, 1, 1, 4))
+    cu_q, cu_k = np.array([0, 5], np.int32), np.array([0, 1], np.int32)
+    for mk, open_rows in ((None, 5), (2, 5), (3, 3)):
+        kw = dict(is_causal=False, window=(None, 2), max_seqlen_k=mk)
+        out, lse = fa.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True, backend=backend,
+                                       **kw)
+        assert np.isfinite(lse).sum() == open_rows, mk
+        want = flash_model_varlen(q, k, v, cu_q, cu_k, **kw)
+        np.testing.assert_allclose(out, want[0], rtol=1e-12, atol=1e-15)
+        grads = fa.varlen_attention_backward(g, q, k, v, out, lse, cu_q, cu_k, backend=backend,
+                                             **kw)
+        for got, ref in zip(grads, flash_model_varlen_backward(g, q, k, v, cu_q, cu_k, **kw)):
+            np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12)
