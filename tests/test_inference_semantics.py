@@ -1105,3 +1105,43 @@ def test_varlen_window_side_wider_than_max_seqlen_k_is_no_side(backend):
                                              **kw)
         for got, ref in zip(grads, flash_model_varlen_backward(g, q, k, v, cu_q, cu_k, **kw)):
             np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_strided_inputs_give_the_results_of_contiguous_ones(backend, dtype):
+    """flash-attn users pass views: q, k, v split from one packed qkv projection
+    (total, 3, H, E) or (B, L, 3, H, E), q transposed from (B, H, L, E), negative strides.
+    The results are those of contiguous copies, and the views' buffers keep their bytes."""
+    rng = np.random.default_rng(9)
+    qkv = rng.standard_normal((23, 3, 2, 8)).astype(dtype)
+    cu = np.array([0, 7, 7, 23], np.int32)
+    views = (qkv[:, 0], qkv[:, 1], qkv[:, 2])
+    saved = qkv.tobytes()
+    opts = dict(is_causal=True, window=(5, None), softcap=3.0, return_lse=True,
+                backend=backend)
+    got = fa.varlen_attention(*views, cu, cu, **opts)
+    want = fa.varlen_attention(*(np.ascontiguousarray(x) for x in views), cu, cu, **opts)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    g = rng.standard_normal(got[0].shape).astype(dtype)[::-1][::-1]
+    bopts = dict(is_causal=True, window=(5, None), softcap=3.0, backend=backend)
+    for a, b in zip(fa.varlen_attention_backward(g, *views, *got, cu, cu, **bopts),
+                    fa.varlen_attention_backward(g, *(np.ascontiguousarray(x) for x in views),
+                                                 *want, cu, cu, **bopts)):
+        np.testing.assert_array_equal(a, b)
+    assert qkv.tobytes() == saved
+    B, Hq, Hkv, E = 2, 4, 2, 8
+    qt = rng.standard_normal((B, Hq, 3, E)).astype(dtype).transpose(0, 2, 1, 3)   # (B, L, H, E)
+    new = rng.standard_normal((B, 3, 2, Hkv, E)).astype(dtype)[:, ::-1]             # k, v packed
+    kc, vc = rng.standard_normal((2, B, 16, Hkv, E)).astype(dtype)
+    lens = np.array([4, 9], np.int32)
+    kc2, vc2 = kc.copy(), vc.copy()
+    kw = dict(cache_seqlens=lens, return_lse=True, backend=backend, softcap=2.0)
+    got = fa.attention_with_kvcache(qt, kc, vc, new[:, :, 0], new[:, :, 1], **kw)
+    want = fa.attention_with_kvcache(np.ascontiguousarray(qt), kc2, vc2,
+                                     np.ascontiguousarray(new[:, :, 0]),
+                                     np.ascontiguousarray(new[:, :, 1]), **kw)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    assert kc.tobytes() == kc2.tobytes() and vc.tobytes() == vc2.tobytes()
