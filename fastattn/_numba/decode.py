@@ -9,6 +9,10 @@ leaves (m, l, unnormalized acc) and a final pass merges them by log-sum-exp.
 Threads claim items from an atomic counter. float32 uses the register-
 blocked kernels of _gemm.py for both products (scores of a single query row,
 MHA decode, as dot products: _gemm.dec_qk_dot), float64 uses BLAS.
+
+A KV cache is read in place (_kv.py): each sequence its own keys, paged blocks run by run of
+one page; on the flash layout (kv heads side by side) an item takes every kv head of a
+(batch, chunk) and walks the keys once (_decode_heads_item).
 """
 from collections import namedtuple
 
@@ -76,21 +80,94 @@ def _dec_pv_ol(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R, ab):
     return impl
 
 
+@njit(fastmath=FM, nogil=True)
+def _decode_block(a, b, hk, j0, n, qo, kf, koff, ldk, vf, voff, ldv, paged, Qs, Qt, SbT, Sb,
+                  Pb, acc, m, lsum, ab):
+    """Keys j0 .. j0+n-1 of kv head (b, hk) for the R query rows of its group (Qs; Qt the same
+    transposed; query row i of sequence b at key position i + qo): the online-softmax update
+    of m, lsum and acc. The keys are read where they are: rows ldk (values ldv) apart from
+    kf[koff] / vf[voff], or, when `paged`, run by run of one page of the whole cache kf/vf
+    (_kv.kv_run) into the columns of the block's tile, so the block's sums are those of the
+    same block stored contiguously."""
+    q = a.q
+    B, Hq, L, E = q.shape
+    Ev = a.Ev
+    g = Hq // a.Hkv
+    R = g * L
+    Bk = Sb.shape[1]
+    Eld = max(E, 1)
+    Evld = max(Ev, 1)
+    # mask status over the whole group tile (all heads, all rows)
+    mstat = group_block_status(a, b, hk * g, g, L, j0, n)
+    if mstat == 0:
+        return
+    if paged:
+        s0 = 0
+        while s0 < n:
+            ko, vo, end = kv_run(a, b, j0 + s0)
+            ns = min(n - s0, end - (j0 + s0))
+            _dec_qk(Sb, s0, Bk, Qs, Qt, SbT, R, E, Eld, kf, ko + hk * a.ksH, ldk, ns, ab)
+            s0 += ns
+    else:
+        _dec_qk(Sb, 0, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, ldk, n, ab)
+    to_nat, c_exp, kappa = score_units(a)
+    # every head's rows sit at the same positions: one band status for the tile
+    partial = band_partial(a, j0, n, qo, L - 1 + qo)
+    if needs_rows(a, partial, mstat):
+        for hh in range(g):
+            # rows hh*L .. hh*L+L-1 belong to query head h
+            h = hk * g + hh
+            tile_scores(Sb, hh * L, hh * L + L, n, j0, qo, a, alibi_slope(a, b, h),
+                        mask_base(a, b, h, 0, j0), mstat, Sb, False)
+    tile_online(Sb, Pb, 0, R, n, m, lsum, acc, Ev, c_exp)
+    do_drop = a.dropout_p > 0.0
+    if do_drop:
+        thresh = dropout_threshold_nb(a.dropout_p)
+        for hh in range(g):
+            tile_dropout(Pb, hh * L, hh * L + L, n, a.seed, dropout_bh(a, b, hk * g + hh),
+                         a.dropout_row0, a.dropout_col0 + j0, thresh)
+    # no exact path where no weight is zeroed by a mask/dropout (see forward.py)
+    fast = mstat == 1 and not partial and not do_drop
+    if paged:
+        s0 = 0
+        while s0 < n and not fast:
+            ko, vo, end = kv_run(a, b, j0 + s0)
+            ns = min(n - s0, end - (j0 + s0))
+            if not rows_all_finite(vf, vo + hk * a.vsH, ldv, ns, Ev):
+                break
+            s0 += ns
+        if fast or s0 >= n:
+            s0 = 0
+            while s0 < n:
+                ko, vo, end = kv_run(a, b, j0 + s0)
+                ns = min(n - s0, end - (j0 + s0))
+                _dec_pv(acc, Evld, Pb, Bk, s0, vf, vo + hk * a.vsH, ldv, Ev, ns, R, ab)
+                s0 += ns
+            return
+    elif fast or rows_all_finite(vf, voff, ldv, n, Ev):
+        _dec_pv(acc, Evld, Pb, Bk, 0, vf, voff, ldv, Ev, n, R, ab)
+        return
+    # V holds a NaN/Inf: the exact path, on the block's V rows made adjacent
+    Vs = np.empty((Bk, Evld), q.dtype)
+    if paged or ldv != Ev:
+        Vg = np.empty(Bk * Evld, q.dtype)
+        gather_v(a, b, hk, j0, n, vf, Vg)
+        pv_nonfinite(Pb, R, n, Vg, 0, Ev, Evld, Vs, acc, ab)
+    else:
+        pv_nonfinite(Pb, R, n, vf, voff, Ev, Evld, Vs, acc, ab)
+
+
 @njit(cache=True, fastmath=FM, nogil=True)
 def _decode_item(it, a, plan, pm, pl, pacc):
     """Item `it` = (batch, kv head, key chunk) of the call `a` (_record.NumbaArgs): the scores
     of every query row of the KV group against the chunk's keys, left as partials (running
-    max, sum, unnormalized acc) in pm/pl/pacc[it] for _decode_merge.
-
-    The keys are read where they are (_kv.py): sequence b's first seq_keys(a, b) keys, rows
-    ksS apart; on a paged cache a key block is taken run by run of one page, into the columns
-    of the block's tile, so its sums are those of the same block stored contiguously."""
+    max, sum, unnormalized acc) in pm/pl/pacc[it] for _decode_merge. The keys are sequence b's
+    first seq_keys(a, b), read where they are (_kv.py, _decode_block)."""
     wide_vectors()
     q, k, v = a.q, a.k, a.v
     Bk, nchunks, csize = plan.Bk, plan.nchunks, plan.csize
     B, Hq, L, E = q.shape
     Hkv = a.Hkv
-    S = a.S
     Ev = a.Ev
     g = Hq // Hkv
     R = g * L
@@ -99,20 +176,12 @@ def _decode_item(it, a, plan, pm, pl, pacc):
     qf = q.reshape(-1)
     kf = k.reshape(-1)
     vf = v.reshape(-1)
-    # natural scores only where softcap/ALiBi/float mask need them (_scores.py)
-    to_nat, c_exp, kappa = score_units(a)
-    do_drop = a.dropout_p > 0.0
-    thresh = dropout_threshold_nb(a.dropout_p)
-    ninf = fcast(q, -np.inf)
-    one = fcast(q, 1.0)
-    zero = fcast(q, 0.0)
-
     bk = it // nchunks            # b * Hkv + hk
     c = it - bk * nchunks
     b = bk // Hkv
     hk = bk - b * Hkv
     c_lo = c * csize
-    c_hi = min(S, c_lo + csize)   # exclusive
+    c_hi = min(a.S, c_lo + csize)   # exclusive
 
     # rows r = hh * L + i of query head h = hk*g + hh; query rows of one head
     # are contiguous in q, and the heads of a group are adjacent, so the
@@ -121,106 +190,108 @@ def _decode_item(it, a, plan, pm, pl, pacc):
     Rp = ((R + MR - 1) // MR) * MR
     Qs = np.empty((R, Eld), q.dtype)
     Qt = np.empty(Eld * R, q.dtype)
-    SbT = np.empty(Bk * R, q.dtype)
     qoff = (b * Hq + hk * g) * L * E
     for r in range(R):
         for t in range(E):
             Qs[r, t] = qf[qoff + r * E + t]
             Qt[t * R + r] = qf[qoff + r * E + t]
+    SbT = np.empty(Bk * R, q.dtype)
     Sb = np.empty((R, Bk), q.dtype)
     Pb = np.empty((Rp, Bk), q.dtype)
-    Vs = np.empty((1, 1), q.dtype)
-    Vg = np.empty(1, q.dtype)
     acc = np.zeros((Rp, Evld), q.dtype)
-    m = np.full(R, ninf, q.dtype)
+    m = np.full(R, fcast(q, -np.inf), q.dtype)
     lsum = np.zeros(R, q.dtype)
     ab = np.empty(2, q.dtype)
-    ab[0] = one
-    ab[1] = zero
+    ab[0] = fcast(q, 1.0)
+    ab[1] = fcast(q, 0.0)
 
     # union of the rows' bands, clipped to this chunk and to the sequence's keys
     qo = seq_q_offset(a, b)
-    pos_min = qo
-    pos_max = L - 1 + qo
-    jlo = max(c_lo, pos_min - a.win_left)
-    jhi = min(min(c_hi, seq_keys(a, b)) - 1, pos_max + a.win_right)
-    ldk = a.ksS
-    ldv = a.vsS
-    hko = hk * a.ksH
-    hvo = hk * a.vsH
+    jlo = max(c_lo, qo - a.win_left)
+    jhi = min(min(c_hi, seq_keys(a, b)) - 1, L - 1 + qo + a.win_right)
     paged = a.has_block_table
-
-    if jlo <= jhi:
-        j0 = jlo
-        while j0 <= jhi:
-            n = min(Bk, jhi + 1 - j0)
-            # mask status over the whole group tile (all heads, all rows)
-            mstat = group_block_status(a, b, hk * g, g, L, j0, n)
-            if mstat != 0:
-                if paged:
-                    s0 = 0
-                    while s0 < n:
-                        ko, vo, end = kv_run(a, b, j0 + s0)
-                        ns = min(n - s0, end - (j0 + s0))
-                        _dec_qk(Sb, s0, Bk, Qs, Qt, SbT, R, E, Eld, kf, ko + hko, ldk, ns, ab)
-                        s0 += ns
-                else:
-                    _dec_qk(Sb, 0, Bk, Qs, Qt, SbT, R, E, Eld, kf,
-                            b * a.ksB + j0 * ldk + hko, ldk, n, ab)
-                # every head's rows sit at the same positions: one band status for the tile
-                partial = band_partial(a, j0, n, pos_min, pos_max)
-                if needs_rows(a, partial, mstat):
-                    for hh in range(g):
-                        # rows hh*L .. hh*L+L-1 belong to query head h
-                        h = hk * g + hh
-                        tile_scores(Sb, hh * L, hh * L + L, n, j0, qo, a,
-                                    alibi_slope(a, b, h), mask_base(a, b, h, 0, j0), mstat,
-                                    Sb, False)
-                tile_online(Sb, Pb, 0, R, n, m, lsum, acc, Ev, c_exp)
-                if do_drop:
-                    for hh in range(g):
-                        tile_dropout(Pb, hh * L, hh * L + L, n, a.seed,
-                                     dropout_bh(a, b, hk * g + hh), a.dropout_row0,
-                                     a.dropout_col0 + j0, thresh)
-                # no exact path where no weight is zeroed by a mask/dropout
-                # (see forward.py)
-                fast = mstat == 1 and not partial and not do_drop
-                if paged:
-                    s0 = 0
-                    while s0 < n and not fast:
-                        ko, vo, end = kv_run(a, b, j0 + s0)
-                        ns = min(n - s0, end - (j0 + s0))
-                        if not rows_all_finite(vf, vo + hvo, ldv, ns, Ev):
-                            break
-                        s0 += ns
-                    if fast or s0 >= n:
-                        s0 = 0
-                        while s0 < n:
-                            ko, vo, end = kv_run(a, b, j0 + s0)
-                            ns = min(n - s0, end - (j0 + s0))
-                            _dec_pv(acc, Evld, Pb, Bk, s0, vf, vo + hvo, ldv, Ev, ns, R, ab)
-                            s0 += ns
-                        j0 += n
-                        continue
-                else:
-                    voff = b * a.vsB + j0 * ldv + hvo
-                    if fast or rows_all_finite(vf, voff, ldv, n, Ev):
-                        _dec_pv(acc, Evld, Pb, Bk, 0, vf, voff, ldv, Ev, n, R, ab)
-                        j0 += n
-                        continue
-                # V holds a NaN/Inf: the exact path, on the block's V rows made adjacent
-                if Vs.shape[0] != Bk:
-                    Vs = np.empty((Bk, Evld), q.dtype)
-                    Vg = np.empty(Bk * Evld, q.dtype)
-                gather_v(a, b, hk, j0, n, vf, Vg)
-                pv_nonfinite(Pb, R, n, Vg, 0, Ev, Evld, Vs, acc, ab)
-            j0 += n
+    j0 = jlo
+    while j0 <= jhi:
+        n = min(Bk, jhi + 1 - j0)
+        _decode_block(a, b, hk, j0, n, qo, kf, b * a.ksB + j0 * a.ksS + hk * a.ksH, a.ksS,
+                      vf, b * a.vsB + j0 * a.vsS + hk * a.vsH, a.vsS, paged, Qs, Qt, SbT, Sb,
+                      Pb, acc, m, lsum, ab)
+        j0 += n
 
     for r in range(R):
         pm[it, r] = m[r]
         pl[it, r] = lsum[r]
         for t in range(Ev):
             pacc[it, r, t] = acc[r, t]
+
+
+@njit(cache=True, fastmath=FM, nogil=True)
+def _decode_heads_item(it, a, plan, pm, pl, pacc):
+    """Item `it` = (batch, key chunk) for every kv head at once, on a cache whose kv heads' rows
+    lie side by side (the flash layout (B, S, Hkv, E) read in place: head stride < key
+    stride). Item by kv head, a head's key rows are Hkv*E elements apart (4 KiB at Hkv = 8,
+    E = 128: a new page every row, the whole sequence walked Hkv times); here the keys are
+    walked once, block by block, and each block is attended head by head, so the heads of a
+    key row are read while its pages and lines are near (csrc/decode.pxi dec_heads_item does
+    the same). The partials go where _decode_item would leave them (item
+    (b * Hkv + hk) * nchunks + c). Copying each block for all heads into a dense scratch first
+    was slower: the scalar copy loop ran at ~1.6 GB/s per thread here."""
+    wide_vectors()
+    q, k, v = a.q, a.k, a.v
+    Bk, nchunks, csize = plan.Bk, plan.nchunks, plan.csize
+    B, Hq, L, E = q.shape
+    Hkv = a.Hkv
+    Ev = a.Ev
+    g = Hq // Hkv
+    R = g * L
+    Eld = max(E, 1)
+    Evld = max(Ev, 1)
+    qf = q.reshape(-1)
+    kf = k.reshape(-1)
+    vf = v.reshape(-1)
+    b = it // nchunks
+    c = it - b * nchunks
+    c_lo = c * csize
+    c_hi = min(a.S, c_lo + csize)
+    qo = seq_q_offset(a, b)
+    jlo = max(c_lo, qo - a.win_left)
+    jhi = min(min(c_hi, seq_keys(a, b)) - 1, L - 1 + qo + a.win_right)
+
+    Rp = ((R + MR - 1) // MR) * MR
+    Qs = np.empty((Hkv, R, Eld), q.dtype)
+    Qt = np.empty((Hkv, Eld * R), q.dtype)
+    for hk in range(Hkv):
+        qoff = (b * Hq + hk * g) * L * E
+        for r in range(R):
+            for t in range(E):
+                Qs[hk, r, t] = qf[qoff + r * E + t]
+                Qt[hk, t * R + r] = qf[qoff + r * E + t]
+    SbT = np.empty(Bk * R, q.dtype)
+    Sb = np.empty((R, Bk), q.dtype)
+    Pb = np.empty((Rp, Bk), q.dtype)
+    acc = np.zeros((Hkv, Rp, Evld), q.dtype)
+    m = np.full((Hkv, R), fcast(q, -np.inf), q.dtype)
+    lsum = np.zeros((Hkv, R), q.dtype)
+    ab = np.empty(2, q.dtype)
+    ab[0] = fcast(q, 1.0)
+    ab[1] = fcast(q, 0.0)
+    j0 = jlo
+    paged = a.has_block_table
+    while j0 <= jhi:
+        n = min(Bk, jhi + 1 - j0)
+        for hk in range(Hkv):
+            _decode_block(a, b, hk, j0, n, qo, kf, b * a.ksB + j0 * a.ksS + hk * a.ksH, a.ksS,
+                          vf, b * a.vsB + j0 * a.vsS + hk * a.vsH, a.vsS, paged, Qs[hk],
+                          Qt[hk], SbT, Sb, Pb, acc[hk], m[hk], lsum[hk], ab)
+        j0 += n
+
+    for hk in range(Hkv):
+        itk = (b * Hkv + hk) * nchunks + c
+        for r in range(R):
+            pm[itk, r] = m[hk, r]
+            pl[itk, r] = lsum[hk, r]
+            for t in range(Ev):
+                pacc[itk, r, t] = acc[hk, r, t]
 
 
 @njit(fastmath=FM)
@@ -285,8 +356,8 @@ def _decode_merge(bk, a, plan, pm, pl, pacc, out, lse, kappa):
 
 
 # Blocks of a decode call: keys per block, chunk length (a multiple of Bk), chunks per
-# (batch, kv head), threads.
-DecPlan = namedtuple("DecPlan", "Bk csize nchunks nthreads")
+# (batch, kv head), threads, and whether an item takes every kv head (_decode_heads_item).
+DecPlan = namedtuple("DecPlan", "Bk csize nchunks nthreads heads")
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -304,12 +375,17 @@ def _decode_kernel(a, out, lse, plan):
     # workers claim items dynamically (see forward): decode items are few and
     # large, so one slow thread would otherwise set the call's time
     counter = np.zeros(1, np.int64)
-    for w in prange(min(plan.nthreads, n_items)):
+    # heads together: one loop iteration is (batch, chunk) for every kv head
+    n_loop = B * nchunks if plan.heads else n_items
+    for w in prange(min(plan.nthreads, n_loop)):
         while True:
             it = atomic_next(counter)
-            if it >= n_items:
+            if it >= n_loop:
                 break
-            _decode_item(it, a, plan, pm, pl, pacc)
+            if plan.heads:
+                _decode_heads_item(it, a, plan, pm, pl, pacc)
+            else:
+                _decode_item(it, a, plan, pm, pl, pacc)
     kappa = score_units(a)[2]
     for bk in prange(B * Hkv):
         _decode_merge(bk, a, plan, pm, pl, pacc, out, lse, kappa)
@@ -340,10 +416,38 @@ def decode(args, out, lse):
     Bk = positive("decode_block_k", args.tuning.decode_block_k, 1024)
     if B * Hq * L == 0:
         return
+    # the kv heads' rows side by side (a flash-layout cache read in place): items take every
+    # kv head (_decode_heads_item), in blocks whose K and V for all heads fit the L2 share
+    heads = bool(HEADS_TOGETHER and Hkv >= 2 and args.k_strides[1] < args.k_strides[2]
+                 and args.v_strides[1] < args.v_strides[2])
+    if heads and not args.tuning.decode_block_k:
+        Bk = HEADS_BLOCK_KEYS * max(1, HEADS_BLOCK_BYTES // (
+            Hkv * (E + args.v.shape[3]) * q.itemsize * HEADS_BLOCK_KEYS))
     prime_blas()
     with blas_single_thread, numba_threads(args.n_threads) as nt:
-        nc = decode_chunks(B, Hkv, S, nt, Bk)
+        if heads:
+            # Hkv times fewer, larger items, as long as a ragged batch's sequences: split the
+            # keys finer, into chunks of at least HEADS_MIN_CHUNK keys
+            nc = 1
+            if B < HEADS_ITEMS_PER_THREAD * nt:
+                nc = min(-(-HEADS_ITEMS_PER_THREAD * nt // B), max(1, S // HEADS_MIN_CHUNK))
+        else:
+            nc = decode_chunks(B, Hkv, S, nt, Bk)
         # chunk length: a multiple of Bk so only the last block of a chunk is short
         csize = max(-(-(-(-S // nc)) // Bk) * Bk, 1)
         nc = max(1, -(-S // csize))
-        _decode_kernel(numba_args(args), out, lse, DecPlan(Bk, csize, nc, nt))
+        _decode_kernel(numba_args(args), out, lse, DecPlan(Bk, csize, nc, nt, heads))
+
+
+# Heads-together decode: the K and V of a block of keys for every kv head within this much
+# (half the 1 MiB L2 of a core here), items per thread and the shortest key chunk (ragged
+# lengths make items uneven; as csrc/decode.pxi does)
+HEADS_TOGETHER = True             # False: item by kv head on every layout (A/B measurements)
+HEADS_BLOCK_BYTES = 512 << 10
+# Blocks of whole key strips of the float32 score kernels (_gemm.dec_qk: 12, 8 or MR keys): a
+# block's last n % 12 keys go through scalar loops. The bench's decode (B8 Hq32 Hkv8 d128,
+# lengths 512..16384, flash layout, 2 threads, interleaved, load ~6): 48 keys 1.51x cython's
+# time, 64 keys (60 + a 4-key tail) 2.07x.
+HEADS_BLOCK_KEYS = 48
+HEADS_ITEMS_PER_THREAD = 32
+HEADS_MIN_CHUNK = 1024
