@@ -188,7 +188,9 @@ def test_planned_call_on_kv_views_gives_the_bits_of_contiguous_copies(monkeypatc
                                                                      L, view):
     """A planned call whose K/V are views (a cache's prefix, a flash-layout cache, broadcast or
     reversed or unaligned storage) equals the same call on C-contiguous copies, bit for bit:
-    read in place where the backend reads strides, copied where it does not or cannot."""
+    read in place where the backend reads strides and the layout keeps each head's rows
+    together, copied otherwise (the first call of the key, through make_problem, was served
+    from a copy: planned calls must not round differently)."""
     if not B.registry[backend].available:
         pytest.skip(f"{backend}: {B.registry[backend].reason}")
     _fastpath.clear()
@@ -229,6 +231,11 @@ def test_a_cache_prefix_is_read_in_place_not_copied(compiled, monkeypatch, rng):
     got = SDPA(q, k, v)
     np.testing.assert_array_equal(got, want)
     assert [x is q for x in copied] == [True], "only q goes through ascontiguousarray"
+    copied.clear()
+    flash = np.ascontiguousarray(cache[:, :, :, :20].transpose(0, 1, 3, 2, 4))  # (2, B, S, H, E)
+    got = SDPA(q, flash[0].transpose(0, 2, 1, 3), flash[1].transpose(0, 2, 1, 3))
+    np.testing.assert_array_equal(got, want)
+    assert len(copied) == 3, "a (B, S, H, E) cache is copied: its in-place kernels round otherwise"
 
 
 GROWING = [
