@@ -80,7 +80,7 @@ def _dec_pv_ol(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R, ab):
     return impl
 
 
-@njit(fastmath=FM, nogil=True)
+@njit(fastmath=FM, nogil=True, inline='always')
 def _decode_block(a, b, hk, j0, n, qo, kf, koff, ldk, vf, voff, ldv, paged, Qs, Qt, SbT, Sb,
                   Pb, acc, m, lsum, ab):
     """Keys j0 .. j0+n-1 of kv head (b, hk) for the R query rows of its group (Qs; Qt the same
