@@ -121,8 +121,10 @@ def attend(cache, q, k, v, options):
         return MISS
     lens = cache.seqlens
     n = q.shape[1]
+    if type(lens) is not _ndarray or lens.dtype != np.int32 or lens.shape != (q.shape[0],):
+        return MISS                   # replaced by the user: the full path checks it
     total = lens + np.int32(n)
-    if not (lens.dtype == np.int32 and lens.min() >= 0 and total.max() <= cache.capacity):
+    if not (lens.min() >= 0 and total.max() <= cache.capacity):
         return MISS
     cos = options.get("rotary_cos")
     if cos is not None and total.max() > cos.shape[0]:

@@ -133,3 +133,16 @@ def test_other_options_and_backends_go_the_full_way(in_place, monkeypatch, rng):
     with pytest.raises(TypeError):                        # a dtype the cache does not hold
         cache.attend(q.astype(np.float64), k, v)
     assert len(calls) == 3
+
+
+@pytest.mark.parametrize("lengths", [[1, 1], np.array([1, 1], np.int64), np.array([1], np.int32),
+                                     np.array([-1, 1], np.int32)])
+def test_replaced_lengths_get_the_full_paths_error(in_place, rng, lengths):
+    """seqlens is a public attribute: whatever replaced it is checked by the full path, which
+    names cache_seqlens, with nothing written."""
+    cache, q, k, v = _warm(rng)
+    cache.seqlens = lengths
+    before = cache.k.copy()
+    with pytest.raises((TypeError, ValueError), match="cache_seqlens"):
+        cache.attend(q, k, v)
+    np.testing.assert_array_equal(cache.k, before)
