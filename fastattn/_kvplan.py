@@ -147,9 +147,8 @@ def attend(cache, q, k, v, options):
         vc[page, pos % ps] = v
     # ---- attend: the planned kernel with this call's q and lengths ----
     threads = plan.threads
-    if plan.decode and threads > 1 and be.serial_decode_bytes is not None:
-        if int(total.sum()) * plan.row_bytes < be.serial_decode_bytes:
-            threads = 1               # as CompiledBackend.decode_threads decides
+    if plan.decode and threads > 1:   # the rule of CompiledBackend.decode_threads
+        threads = be.threads_for_decode_bytes(int(total.sum()) * plan.row_bytes, threads)
     record = plan.record._replace(q=np.ascontiguousarray(q.transpose(0, 2, 1, 3)),
                                   seqlens=total, n_threads=threads)
     out = np.empty(plan.out_shape, q.dtype)
