@@ -24,6 +24,13 @@ cdef extern from "fa_decodeg.h" nogil:
                              ptrdiff_t ldo, int pf_kind, const float *Kpf, const float *Vpf,
                              ptrdiff_t npf)
 
+cdef extern from "fa_decode_avx2.h" nogil:
+    int fa_decode_avx2_available(ptrdiff_t E, ptrdiff_t Ev)
+    void fa_decodeg_f_avx2(int R, const float *q, ptrdiff_t ldq, const float *K, ptrdiff_t ldk,
+                           const float *V, ptrdiff_t ldv, ptrdiff_t n, ptrdiff_t E, ptrdiff_t Ev,
+                           float scale, float *m, float *l, float *O, ptrdiff_t ldo, int pf_kind,
+                           const float *Kpf, const float *Vpf, ptrdiff_t npf)
+
 # Keys per block (tune.dec_bk, default 48): small enough that a block's V (Bk x Ev floats)
 # stays in L1 across the P·V column panels, a multiple of the 12-row key strip so fa_qk never
 # copies a tail strip; the next block's prefetch is spread over the compute (attend_rows'
@@ -193,8 +200,8 @@ cdef inline ptrdiff_t dec1_ahead(AttnProblem *p) noexcept nogil:
 
 
 cdef inline bint dec_group_ok(AttnProblem *p, ptrdiff_t rows) noexcept nogil:
-    """fa_decode1.h / fa_decodeg.h serve an item of `rows` rows: float32 on AVX-512, scores
-    with no modifier, one query position (L = 1), at most FA_DG_MAXR rows."""
+    """fa_decode1.h / fa_decodeg.h (or on AVX2 fa_decode_avx2.h) serve an item of `rows` rows:
+    float32, scores with no modifier, one query position (L = 1), at most FA_DG_MAXR rows."""
     return p.L == 1 and rows <= FA_DG_MAXR and dec_one_row_ok(p)
 
 
@@ -218,7 +225,12 @@ cdef inline void dec_group_run(AttnProblem *p, Work *w, ptrdiff_t hk, int64_t ko
     cdef const float *q = <const float *>p.q + w.orow[0] * p.E
     cdef const float *K = <const float *>p.k + ko + hk * p.ksh
     cdef const float *V = <const float *>p.v + vo + hk * p.vsh
-    if w.rows == 1:
+    if not fa_decode1_available():          # the AVX2 copy (dec_one_row_ok)
+        fa_decodeg_f_avx2(<int>w.rows, q, p.E, K, p.kss, V, p.vss, n, p.E, p.Ev,
+                          <float>p.scale, <float *>w.m, <float *>w.l, <float *>w.O, p.ldo,
+                          dec1_prefetch(p), <const float *>p.k + pko + hk * p.ksh,
+                          <const float *>p.v + pvo + hk * p.vsh, npf)
+    elif w.rows == 1:
         fa_decode1_f_avx512(q, K, p.kss, V, p.vss, n, p.E, p.Ev, <float>p.scale,
                             <float *>w.m, <float *>w.l, <float *>w.O, dec1_prefetch(p),
                             <const float *>p.k + pko + hk * p.ksh,
@@ -231,8 +243,9 @@ cdef inline void dec_group_run(AttnProblem *p, Work *w, ptrdiff_t hk, int64_t ko
 
 
 cdef inline bint dec_one_row_ok(AttnProblem *p) noexcept nogil:
-    """fa_decode1.h serves this call: float32 on AVX-512, scores with no modifier."""
-    return (fa_decode1_available() and p.tune.dec_use_dot and p.mask_kind == 0
+    """fa_decode1.h / fa_decodeg.h serve this call (float32 on AVX-512), or
+    fa_decode_avx2.h (float32 on AVX2, head dims multiples of 8); scores with no modifier."""
+    return ((fa_decode1_available() or fa_decode_avx2_available(p.E, p.Ev)) and p.tune.dec_use_dot and p.mask_kind == 0
             and p.softcap == 0 and not p.has_alibi and not p.has_dropout)
 
 

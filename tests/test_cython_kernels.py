@@ -89,6 +89,38 @@ def test_every_simd_copy(K, level, threads, kernel, dtype, option, L, S):
     check(K, kernel, threads, q, k, v, **kw)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("G", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("E,Ev", [(8, 16), (64, 64), (128, 128), (256, 24)])
+@pytest.mark.parametrize("S", [1, 7, 64, 65, 300])
+def test_group_decode_every_simd_copy(K, level, threads, G, E, Ev, S):
+    """The one-position group kernels (L = 1, G rows per kv head, float32, no modifier):
+    fa_decode1.h / fa_decodeg.h on AVX-512, fa_decode_avx2.h on AVX2 (head dims multiples of
+    8), run here on every copy this CPU has; cache lengths around the 8/16-key score groups
+    and 64-key blocks, and a window that cuts the keys (the kernels get a key range)."""
+    rng = np.random.default_rng(G * 1000 + E + S)
+    q, k, v = randn(rng, (2, 2 * G, 1, E)), randn(rng, (2, 2, S, E)), randn(rng, (2, 2, S, Ev))
+    check(K, "decode", threads, q * 2, k, v)
+    check(K, "decode", threads, q, k, v, is_causal=True, causal_alignment="bottom_right",
+          window=(S // 3, 0))
+
+
+def test_group_decode_extreme_scores_every_simd_copy(K, level):
+    """The running max moves block to block (large logits in the middle of the cache), and a
+    NaN key turns only its own kv group's rows into NaN, on every SIMD copy."""
+    rng = np.random.default_rng(5)
+    q, k, v = randn(rng, (1, 8, 1, 64)) * 3, randn(rng, (1, 2, 700, 64)), randn(rng, (1, 2, 700, 64))
+    k[:, :, 300:310] *= 40.0
+    check(K, "decode", 2, q, k, v)
+    k[0, 1, 5, 0] = np.nan
+    p = make_problem(q, k, v, enable_gqa=True)
+    out, _ = run_kernel(K, "decode", p, 2)
+    assert np.isnan(out[0, 4:]).all()
+    assert np.isfinite(out[0, :4]).all()
+    ref = reference.forward(make_problem(q[:, :4], k[:, :1], v[:, :1], enable_gqa=True))[0]
+    np.testing.assert_allclose(out[:, :4], ref, rtol=0, atol=2e-6)
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_random_configurations(K, seed):
     """Random shapes x options x SIMD copies x kernels with fixed seeds: the float32 rule must

@@ -1,0 +1,252 @@
+/*
+ * fa_decode_avx2.h -- decode for R = 1..FA_DG_MAXR query rows that share one position (MHA
+ * decode: R = 1; GQA decode: the G rows of a KV group), float32, AVX2 + FMA.  The AVX-512
+ * kernels are fa_decode1.h / fa_decodeg.h; this is their algorithm for 8-lane vectors, for
+ * the many CPUs without AVX-512 (Zen 2/3, most Intel client parts).
+ *
+ * Why: without it an AVX2 machine took the general path (decode.pxi -> attend_block), which
+ * vectorizes over query lanes: with one real row in 8 lanes, 7/8 of the Q·Kᵀ FMAs, the exps
+ * and the P·V tile were padding.  Measured on a Zen 3 guest (AMD EPYC, 2 cores), GPT-2-small
+ * decode (12 heads, d = 64, S = 1024, cache in L3) ran at 1.9x torch's time, compute-bound.
+ * Here, per block of FA_D1_BK keys, for each row:
+ *   scores   8 keys at a time as dot products along e (8 accumulators, each key row loaded
+ *            once per row; the block's K rows stay in L1 across the rows), summed across
+ *            lanes by fa_d2_hsum8_, so a block's scores are FA_D1_BK/8 vectors in key order;
+ *   softmax  along the keys: one exp per 8 keys; block max and sum are vector reductions;
+ * then one P·V pass over the block's V rows for all rows at once (each V row loaded once per
+ * column panel, R x NV accumulators), in chunks of FA_D1_PV_CHUNK keys summed in fresh
+ * registers and then added to O (float32 accuracy on long caches, as fa_decode1.h).
+ * Head dims must be multiples of 8 (every common one is); others take the general path.
+ * State in/out per row: running max m[r], sum l[r], unnormalised O[r * ldo + c], the general
+ * path's, so its finish and split-merge code serve this kernel too.
+ */
+#ifndef FA_DECODE_AVX2_H
+#define FA_DECODE_AVX2_H
+#include "fa_decodeg.h"
+
+#if FA_HAVE_X86_VARIANTS
+
+#define FA_A2 __attribute__((target("avx2,fma")))
+#define FA_D2_INL static inline __attribute__((always_inline)) FA_A2
+
+/* lane i of the result = the sum of acc[i]'s 8 lanes */
+FA_D2_INL __m256 fa_d2_hsum8_(const __m256 *acc)
+{
+    /* hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7] */
+    const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
+    const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
+    /* u0 = [sum of the low halves of acc 0..3 | sum of their high halves], u1: acc 4..7 */
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+FA_D2_INL float fa_d2_reduce_max_(__m256 v)
+{
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+FA_D2_INL float fa_d2_reduce_add_(__m256 v)
+{
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+/* s = scale * K[j0 + i] . q for i < 8 (keys past n re-read key n - 1; the caller masks).
+ * E % 8 == 0.  e runs outermost: one q vector feeds 8 independent FMA chains (one per key),
+ * which is what two FMA pipes of latency 4 need to stay busy. */
+FA_D2_INL __m256 fa_d2_scores8_(const float *q, ptrdiff_t E, const float *K, ptrdiff_t ldk,
+                                ptrdiff_t j0, ptrdiff_t n, float scale)
+{
+    const float *kr[8];
+    for (int a = 0; a < 8; a++) kr[a] = K + (j0 + a < n ? j0 + a : n - 1) * ldk;
+    __m256 acc[8];
+    for (int a = 0; a < 8; a++) acc[a] = _mm256_setzero_ps();
+    for (ptrdiff_t e = 0; e < E; e += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + e);
+#pragma GCC unroll 8
+        for (int a = 0; a < 8; a++) acc[a] = _mm256_fmadd_ps(_mm256_loadu_ps(kr[a] + e), qv, acc[a]);
+    }
+    return _mm256_mul_ps(fa_d2_hsum8_(acc), _mm256_set1_ps(scale));
+}
+
+/* O[r][0 : NV*8) += sum_j P[r * FA_D1_BK + j] V[j] for r < R, keys in chunks of
+ * FA_D1_PV_CHUNK; rows [0, npf) of Vpf are prefetched key by key meanwhile.  R x NV
+ * accumulators + NV row vectors + one broadcast fit the 16 ymm registers (fa_d2_pv_cols_). */
+FA_D2_INL void fa_d2_pv_(const int R, const int NV, const float *P, ptrdiff_t n, const float *V,
+                         ptrdiff_t ldv, float *O, ptrdiff_t ldo, const float *Vpf,
+                         ptrdiff_t npf, ptrdiff_t Ev, int kind)
+{
+    for (ptrdiff_t j0 = 0; j0 < n; j0 += FA_D1_PV_CHUNK) {
+        const ptrdiff_t j1 = n - j0 < FA_D1_PV_CHUNK ? n : j0 + FA_D1_PV_CHUNK;
+        __m256 acc[16];
+        for (int a = 0; a < R * NV; a++) acc[a] = _mm256_setzero_ps();
+        for (ptrdiff_t j = j0; j < j1; j++) {
+            const float *vr = V + j * ldv;
+            if (j < npf) fa_d1_prefetch_(Vpf, ldv, Ev, j, j + 1, kind);
+            if (R == 1) {                           /* V rows straight from memory operands */
+                const __m256 pj = _mm256_set1_ps(P[j]);
+                for (int v = 0; v < NV; v++)
+                    acc[v] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8 * v), acc[v]);
+            } else {
+                __m256 vv[4];
+                for (int v = 0; v < NV; v++) vv[v] = _mm256_loadu_ps(vr + 8 * v);
+                for (int r = 0; r < R; r++) {
+                    const __m256 pj = _mm256_set1_ps(P[r * FA_D1_BK + j]);
+                    for (int v = 0; v < NV; v++)
+                        acc[r * NV + v] = _mm256_fmadd_ps(pj, vv[v], acc[r * NV + v]);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < NV; v++) {
+                float *o = O + r * ldo + 8 * v;
+                _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc[r * NV + v]));
+            }
+    }
+}
+
+/* ... for every column: panels of 8 vectors for one row, 4 for two, 2 for three or four, 1
+ * above; the first panel also prefetches rows [0, npf) of Vpf (the next block).  Ev % 8 == 0. */
+FA_D2_INL void fa_d2_pv_cols_(const int R, const float *P, ptrdiff_t n, const float *V,
+                              ptrdiff_t ldv, ptrdiff_t Ev, float *O, ptrdiff_t ldo,
+                              const float *Vpf, ptrdiff_t npf, int kind)
+{
+    const int NVMAX = R == 1 ? 8 : R == 2 ? 4 : R <= 4 ? 2 : 1;
+    for (ptrdiff_t c0 = 0; c0 < Ev; c0 += 8 * NVMAX) {
+        const ptrdiff_t left = (Ev - c0) / 8;
+        const int nv = left < NVMAX ? (int)left : NVMAX;
+        const ptrdiff_t np = c0 ? 0 : npf;
+        const float *Vc = V + c0;
+        float *Oc = O + c0;
+        switch (nv) {
+        case 1: fa_d2_pv_(R, 1, P, n, Vc, ldv, Oc, ldo, Vpf, np, Ev, kind); break;
+        case 2: fa_d2_pv_(R, NVMAX >= 2 ? 2 : 1, P, n, Vc, ldv, Oc, ldo, Vpf, np, Ev, kind); break;
+        case 3: fa_d2_pv_(R, NVMAX >= 3 ? 3 : 1, P, n, Vc, ldv, Oc, ldo, Vpf, np, Ev, kind); break;
+        case 4: fa_d2_pv_(R, NVMAX >= 4 ? 4 : 1, P, n, Vc, ldv, Oc, ldo, Vpf, np, Ev, kind); break;
+        case 5: fa_d2_pv_(R, NVMAX >= 5 ? 5 : 1, P, n, Vc, ldv, Oc, ldo, Vpf, np, Ev, kind); break;
+        case 6: fa_d2_pv_(R, NVMAX >= 6 ? 6 : 1, P, n, Vc, ldv, Oc, ldo, Vpf, np, Ev, kind); break;
+        case 7: fa_d2_pv_(R, NVMAX >= 7 ? 7 : 1, P, n, Vc, ldv, Oc, ldo, Vpf, np, Ev, kind); break;
+        default: fa_d2_pv_(R, NVMAX >= 8 ? 8 : 1, P, n, Vc, ldv, Oc, ldo, Vpf, np, Ev, kind); break;
+        }
+    }
+}
+
+/* One block of nb <= FA_D1_BK keys for R rows; rows [0, nn) of Kpf / Vpf are prefetched
+ * meanwhile (K during the first row's scores, V during the first P·V panel). */
+FA_D2_INL void fa_d2_block_(const int R, const float *q, ptrdiff_t ldq, const float *Kb,
+                            ptrdiff_t ldk, const float *Vb, ptrdiff_t ldv, ptrdiff_t nb,
+                            ptrdiff_t E, ptrdiff_t Ev, float scale, float *m, double *l,
+                            float *O, ptrdiff_t ldo, int kind, const float *Kpf,
+                            const float *Vpf, ptrdiff_t nn)
+{
+    float P[FA_DG_MAXR * FA_D1_BK] __attribute__((aligned(32)));
+    const int ng = (int)((nb + 7) / 8);
+    const __m256 ninf = _mm256_set1_ps(-__builtin_inff());
+    for (int r = 0; r < R; r++) {
+        __m256 s[FA_D1_BK / 8];
+        __m256 mx = ninf;
+        for (int g = 0; g < ng; g++) {
+            if (r == 0 && 8 * g < nn)
+                fa_d1_prefetch_(Kpf, ldk, E, 8 * g, 8 * g + 8 < nn ? 8 * g + 8 : nn, kind);
+            s[g] = fa_d2_scores8_(q + r * ldq, E, Kb, ldk, 8 * g, nb, scale);
+            if (8 * g + 8 > nb) {                   /* keys past the end: -inf */
+                const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(nb - 8 * g)),
+                                                        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+                s[g] = _mm256_blendv_ps(ninf, s[g], _mm256_castsi256_ps(live));
+            }
+            /* max_ps(s, mx) returns mx where s is NaN: a NaN score is not the max, it turns
+             * its exp, hence l and the row, into NaN (the general path's rule) */
+            mx = _mm256_max_ps(s[g], mx);
+        }
+        const float bm = fa_d2_reduce_max_(mx);
+        const float mn = bm > m[r] ? bm : m[r];
+        const float mu = mn == -__builtin_inff() ? 0.0f : mn;   /* no key yet: exp -> 0 */
+        const float alpha = fa_expf(m[r] - mu);
+        __m256 sum = _mm256_setzero_ps();
+        for (int g = 0; g < ng; g++) {
+            const __m256 p = (__m256)fa_vexp_f_avx2(
+                (fa_vt_f_avx2)_mm256_sub_ps(s[g], _mm256_set1_ps(mu)));
+            sum = _mm256_add_ps(sum, p);
+            _mm256_store_ps(P + r * FA_D1_BK + 8 * g, p);
+        }
+        l[r] = l[r] * alpha + (double)fa_d2_reduce_add_(sum);
+        m[r] = mn;
+        if (alpha != 1.0f) {                        /* rescale O once per block */
+            float *o = O + r * ldo;
+            const __m256 av = _mm256_set1_ps(alpha);
+            for (ptrdiff_t c = 0; c < Ev; c += 8)
+                _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(o + c), av));
+        }
+    }
+    fa_d2_pv_cols_(R, P, nb, Vb, ldv, Ev, O, ldo, Vpf, nn, kind);
+}
+
+#define FA_D2_CASE(RR)                                                                     \
+    case RR:                                                                               \
+        fa_d2_block_(RR, q, ldq, K + j0 * ldk, ldk, V + j0 * ldv, ldv, nb, E, Ev, scale, m, \
+                     l, O, ldo, pf_kind, Kpf + j0 * ldk, Vpf + j0 * ldv, nn);                 \
+        break;
+
+/* Rows q[r * ldq], r < R (1 <= R <= FA_DG_MAXR), against keys [0, n) of K (stride ldk) and V
+ * (stride ldv), updating m_io[r], l_io[r] and O[r * ldo + c]; E % 8 == Ev % 8 == 0.  Prefetch
+ * as fa_decode1_f_avx512: block [j0, j0 + nb) prefetches rows [j0, j0 + nb) of Kpf / Vpf
+ * below npf. */
+static FA_A2 void fa_decodeg_f_avx2(int R, const float *q, ptrdiff_t ldq, const float *K,
+                                    ptrdiff_t ldk, const float *V, ptrdiff_t ldv, ptrdiff_t n,
+                                    ptrdiff_t E, ptrdiff_t Ev, float scale, float *m_io,
+                                    float *l_io, float *O, ptrdiff_t ldo, int pf_kind,
+                                    const float *Kpf, const float *Vpf, ptrdiff_t npf)
+{
+    float m[FA_DG_MAXR];
+    double l[FA_DG_MAXR];            /* one add per block: keep it in double across blocks */
+    for (int r = 0; r < R; r++) {
+        m[r] = m_io[r];
+        l[r] = l_io[r];
+    }
+    for (ptrdiff_t j0 = 0; j0 < n; j0 += FA_D1_BK) {
+        const ptrdiff_t nb = n - j0 < FA_D1_BK ? n - j0 : FA_D1_BK;
+        const ptrdiff_t left = npf - j0;
+        const ptrdiff_t nn = pf_kind && left > 0 ? (left < nb ? left : nb) : 0;
+        switch (R) {
+        FA_D2_CASE(1)
+        FA_D2_CASE(2)
+        FA_D2_CASE(3)
+        FA_D2_CASE(4)
+        FA_D2_CASE(5)
+        FA_D2_CASE(6)
+        FA_D2_CASE(7)
+        default:
+        FA_D2_CASE(8)
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        m_io[r] = m[r];
+        l_io[r] = (float)l[r];
+    }
+}
+#undef FA_D2_CASE
+
+/* this kernel serves a call: the AVX2 copy is selected and both head dims are multiples of 8 */
+static inline int fa_decode_avx2_available(ptrdiff_t E, ptrdiff_t Ev)
+{
+    return FA_OPS_F == &fa_ops_f_avx2 && E > 0 && Ev > 0 && E % 8 == 0 && Ev % 8 == 0;
+}
+
+#else
+static inline int fa_decode_avx2_available(ptrdiff_t E, ptrdiff_t Ev) { (void)E; (void)Ev; return 0; }
+static inline void fa_decodeg_f_avx2(int R, const float *q, ptrdiff_t ldq, const float *K,
+                                     ptrdiff_t ldk, const float *V, ptrdiff_t ldv, ptrdiff_t n,
+                                     ptrdiff_t E, ptrdiff_t Ev, float scale, float *m_io,
+                                     float *l_io, float *O, ptrdiff_t ldo, int pf_kind,
+                                     const float *Kpf, const float *Vpf, ptrdiff_t npf)
+{
+    (void)R; (void)q; (void)ldq; (void)K; (void)ldk; (void)V; (void)ldv; (void)n; (void)npf;
+    (void)E; (void)Ev; (void)scale; (void)m_io; (void)l_io; (void)O; (void)ldo; (void)pf_kind;
+    (void)Kpf; (void)Vpf;
+}
+#endif
+#endif /* FA_DECODE_AVX2_H */
