@@ -8,11 +8,12 @@
  * vectorizes over query lanes: with one real row in 8 lanes, 7/8 of the Q·Kᵀ FMAs, the exps
  * and the P·V tile were padding.  Measured on a Zen 3 guest (AMD EPYC, 2 cores), GPT-2-small
  * decode (12 heads, d = 64, S = 1024, cache in L3) ran at 1.9x torch's time, compute-bound.
- * Here, per block of FA_D1_BK keys, for each row:
- *   scores   8 keys at a time as dot products along e (8 accumulators, each key row loaded
- *            once per row; the block's K rows stay in L1 across the rows), summed across
- *            lanes by fa_d2_hsum8_, so a block's scores are FA_D1_BK/8 vectors in key order;
- *   softmax  along the keys: one exp per 8 keys; block max and sum are vector reductions;
+ * Here, per block of FA_D1_BK keys:
+ *   scores   as dot products along e, 8 accumulators summed across lanes by fa_d2_hsum8_:
+ *            one row: 8 keys at a time, a block's scores are FA_D1_BK/8 vectors in key order;
+ *            more rows: groups of 8/RP keys x RP = 2 or 4 rows, each K row loaded once for
+ *            all of them (1.15-1.3x faster than row by row at GQA 4 rows, d = 128);
+ *   softmax  per row along the keys: one exp per 8 keys; max and sum are vector reductions;
  * then one P·V pass over the block's V rows for all rows at once (each V row loaded once per
  * column panel, R x NV accumulators), in chunks of FA_D1_PV_CHUNK keys summed in fresh
  * registers and then added to O (float32 accuracy on long caches, as fa_decode1.h).
@@ -71,6 +72,40 @@ FA_D2_INL __m256 fa_d2_scores8_(const float *q, ptrdiff_t E, const float *K, ptr
         for (int a = 0; a < 8; a++) acc[a] = _mm256_fmadd_ps(_mm256_loadu_ps(kr[a] + e), qv, acc[a]);
     }
     return _mm256_mul_ps(fa_d2_hsum8_(acc), _mm256_set1_ps(scale));
+}
+
+/* S[r * FA_D1_BK + j] = scale * K[j] . q[r] for j < nb and r < R <= RP (RP = 2 or 4): groups
+ * of 8/RP keys x RP rows fill the 8 accumulators, so each K row is loaded once for all the
+ * rows (row by row, a GQA block's K rows were read R times, from L2 once the block's K and V
+ * outgrew L1).  Rows past R repeat row R - 1 and are dropped.  Meanwhile rows [0, nn) of Kpf
+ * are prefetched (kind), a key group at a time. */
+FA_D2_INL void fa_d2_scores_rows_(const int RP, const float *q, ptrdiff_t ldq, int R,
+                                  ptrdiff_t E, const float *K, ptrdiff_t ldk, ptrdiff_t nb,
+                                  float scale, float *S, const float *Kpf, ptrdiff_t nn, int kind)
+{
+    const int KG = 8 / RP;
+    const float *qr[4];
+    for (int r = 0; r < RP; r++) qr[r] = q + (r < R ? r : R - 1) * ldq;
+    for (ptrdiff_t j0 = 0; j0 < nb; j0 += KG) {
+        if (j0 < nn) fa_d1_prefetch_(Kpf, ldk, E, j0, j0 + KG < nn ? j0 + KG : nn, kind);
+        const float *kr[4];
+        for (int kk = 0; kk < KG; kk++) kr[kk] = K + (j0 + kk < nb ? j0 + kk : nb - 1) * ldk;
+        __m256 acc[8];
+        for (int a = 0; a < 8; a++) acc[a] = _mm256_setzero_ps();
+        for (ptrdiff_t e = 0; e < E; e += 8) {
+            __m256 qv[4];
+            for (int r = 0; r < RP; r++) qv[r] = _mm256_loadu_ps(qr[r] + e);
+            for (int kk = 0; kk < KG; kk++) {
+                const __m256 kv = _mm256_loadu_ps(kr[kk] + e);
+                for (int r = 0; r < RP; r++)
+                    acc[kk * RP + r] = _mm256_fmadd_ps(kv, qv[r], acc[kk * RP + r]);
+            }
+        }
+        float buf[8];
+        _mm256_storeu_ps(buf, _mm256_mul_ps(fa_d2_hsum8_(acc), _mm256_set1_ps(scale)));
+        for (int kk = 0; kk < KG && j0 + kk < nb; kk++)
+            for (int r = 0; r < R; r++) S[r * FA_D1_BK + j0 + kk] = buf[kk * RP + r];
+    }
 }
 
 /* O[r][0 : NV*8) += sum_j P[r * FA_D1_BK + j] V[j] for r < R, keys in chunks of
@@ -146,13 +181,27 @@ FA_D2_INL void fa_d2_block_(const int R, const float *q, ptrdiff_t ldq, const fl
     float P[FA_DG_MAXR * FA_D1_BK] __attribute__((aligned(32)));
     const int ng = (int)((nb + 7) / 8);
     const __m256 ninf = _mm256_set1_ps(-__builtin_inff());
+    if (R > 1)                                  /* all rows' scores into P, 4 rows a pass */
+        for (int r0 = 0; r0 < R; r0 += 4) {
+            const int rows = R - r0 < 4 ? R - r0 : 4;
+            if (rows <= 2)
+                fa_d2_scores_rows_(2, q + r0 * ldq, ldq, rows, E, Kb, ldk, nb, scale,
+                                   P + r0 * FA_D1_BK, Kpf, r0 ? 0 : nn, kind);
+            else
+                fa_d2_scores_rows_(4, q + r0 * ldq, ldq, rows, E, Kb, ldk, nb, scale,
+                                   P + r0 * FA_D1_BK, Kpf, r0 ? 0 : nn, kind);
+        }
     for (int r = 0; r < R; r++) {
         __m256 s[FA_D1_BK / 8];
         __m256 mx = ninf;
         for (int g = 0; g < ng; g++) {
-            if (r == 0 && 8 * g < nn)
-                fa_d1_prefetch_(Kpf, ldk, E, 8 * g, 8 * g + 8 < nn ? 8 * g + 8 : nn, kind);
-            s[g] = fa_d2_scores8_(q + r * ldq, E, Kb, ldk, 8 * g, nb, scale);
+            if (R > 1) {
+                s[g] = _mm256_load_ps(P + r * FA_D1_BK + 8 * g);
+            } else {
+                if (8 * g < nn)
+                    fa_d1_prefetch_(Kpf, ldk, E, 8 * g, 8 * g + 8 < nn ? 8 * g + 8 : nn, kind);
+                s[g] = fa_d2_scores8_(q, E, Kb, ldk, 8 * g, nb, scale);
+            }
             if (8 * g + 8 > nb) {                   /* keys past the end: -inf */
                 const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(nb - 8 * g)),
                                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
