@@ -31,11 +31,32 @@ def _import_kernels():
     return _cykernels
 
 
+def l2_bytes_per_core(default: int = 1 << 20,
+                      base: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """The size of cpu0's L2 cache from Linux's sysfs, or `default` where it cannot be read."""
+    try:
+        for entry in sorted(os.listdir(base)):
+            d = os.path.join(base, entry)
+            with open(os.path.join(d, "level")) as f:
+                if f.read().strip() != "2":
+                    continue
+            with open(os.path.join(d, "size")) as f:
+                size = f.read().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
+            return int(size.rstrip("KM")) * scale
+    except (OSError, ValueError):
+        pass
+    return default
+
+
 class CythonBackend(CompiledBackend):
     name = "cython"
     # Below ~1 MiB of K/V (GPT-2-small decode up to ~170 keys) one thread finishes before a
-    # woken pool thread has started: measured in bench/results/latency.md (MHA decode rows).
-    serial_decode_bytes = 1 << 20
+    # woken pool thread has started: measured in bench/results/latency.md (MHA decode rows,
+    # Zen 4, 1 MiB L2 per core).  Not above one core's L2, though: on a Zen 3 guest (512 KiB
+    # L2) the 786 KB of S = 128 then came from L3 on one thread, and two threads, each with
+    # its half in its own L2, took 0.75-0.8x torch's time against 0.8-0.86x on one.
+    serial_decode_bytes = min(1 << 20, l2_bytes_per_core())
     # a KV cache read in place: forward and decode read it (csrc/forward.pxi attend_rows)
     unsupported_backward_options = {
         "kv_strides": "cython's backward reads k/v C-contiguous only",
