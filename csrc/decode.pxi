@@ -38,7 +38,13 @@ cdef extern from "fa_decode_avx2.h" nogil:
 cdef enum:
     DEC_RCAP = 192                   # lanes per item (query rows of one KV group)
     DEC_MIN_CHUNK = 1024             # do not split keys finer than this
-    DEC_HG_BK = 32                   # keys per block of dec_heads_group
+    DEC_HG_BK = 32                   # keys per block of dec_heads_group (AVX-512 kernels)
+    # ... with the AVX2 kernel (fa_decode_avx2.h), and no software prefetch there: on a Zen 3
+    # guest (512 KiB L2, 32 KiB 8-way L1) a kv head's rows of a flash-layout cache lie
+    # Hkv * d * 4 bytes apart (4 KiB at 8 x 128: one L1 set), and the inference preset's
+    # ragged GQA decode (8 x 128, B = 8) read 4.9 GB/s at 32 keys with prefetch, 9.1-9.4 at
+    # 8 keys without (4: 7.2-8.5, 16: 6.0; 8 keys with prefetch: 5.5-5.8)
+    DEC_HG_BK_AVX2 = 8
 
 
 cdef void dec_rows(AttnProblem *p, ptrdiff_t g, ptrdiff_t nrg, ptrdiff_t Rcap, ptrdiff_t *b,
@@ -112,6 +118,10 @@ cdef bint dec_heads_together(AttnProblem *p, floating *dummy, ptrdiff_t R) noexc
     order; item by kv head, each head's rows are Hkv*E floats apart, and the same DRAM pages
     were opened once per head (60 vs 36 ms of CPU time for the bench's decode).  Not for the
     fa_decode1.h / fa_decodeg.h take the same walk (dec_heads_group)."""
+    return kv_heads_interleaved(p)
+
+
+cdef inline bint kv_heads_interleaved(AttnProblem *p) noexcept nogil:
     return p.Hkv >= 2 and p.ksh < p.kss and p.vsh < p.vss
 
 
@@ -191,6 +201,8 @@ cdef enum:
 cdef inline int dec1_prefetch(AttnProblem *p) noexcept nogil:
     if p.tune.dec_pf_kind >= 0:
         return p.tune.dec_pf_kind
+    if kv_heads_interleaved(p) and not fa_decode1_available():
+        return 0                     # the AVX2 kernel's heads-group walk (DEC_HG_BK_AVX2)
     return 2 if (<int64_t>p.B * p.Hkv * p.S * (p.E + p.Ev) * <int64_t>sizeof(float)
                  > DEC1_PREFETCH_BYTES) else 0
 
@@ -377,7 +389,10 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
     if heads and group:
         # dec_heads_group's blocks: all kv heads' rows of DEC_HG_BK keys (Hkv x 32 KB at d =
         # 128), then the next; a block ahead is prefetched (dec1_prefetch)
-        p.Bk = p.tune.dec_bk if p.tune.dec_bk_set else DEC_HG_BK
+        if p.tune.dec_bk_set:
+            p.Bk = p.tune.dec_bk
+        else:
+            p.Bk = DEC_HG_BK if fa_decode1_available() else DEC_HG_BK_AVX2
     p.prefetch = 2 if p.tune.dec_pf_kind < 0 else p.tune.dec_pf_kind
     p.pf_ahead = p.tune.dec_pf_ahead if p.tune.dec_pf_ahead else p.Bk
     cdef ptrdiff_t chunk = round_up((p.S + nsplit - 1) // nsplit, p.Bk) if p.S else 1
