@@ -98,11 +98,21 @@ def measure_bandwidth(caches: dict, threads: int, seconds: float = 0.3) -> dict:
     return {level: gemv_bandwidth(nbytes, threads, seconds) for level, nbytes in sizes.items()}
 
 
+PROBE = "read probe"
+# OpenBLAS's threads busy-wait after a multi-threaded call (up to 2^28 cycles, ~0.1 s), taking
+# a core from whatever runs next: a pause after each batch of the interleaved probe, untimed
+# (without it the decode timed right after the probe lost a core for most of its batch)
+SETTLE_S = 0.2
+
+
 def _interleaved(fns: dict, rounds: int, target_s: float) -> dict:
-    """{name: [seconds per call per round]}: the callables alternate batch by batch."""
+    """{name: [seconds per call per round]}: the callables alternate batch by batch; after a
+    batch of the read probe (PROBE), SETTLE_S of pause."""
     for f in fns.values():                            # warm-up (also numba's compile)
         f()
         f()
+    if PROBE in fns:
+        time.sleep(SETTLE_S)
     t = time.perf_counter()
     for f in fns.values():
         f()
@@ -116,6 +126,8 @@ def _interleaved(fns: dict, rounds: int, target_s: float) -> dict:
             for _ in range(n):
                 f()
             times[name].append((time.perf_counter() - t) / n)
+            if name == PROBE:
+                time.sleep(SETTLE_S)
     return times
 
 
@@ -136,19 +148,30 @@ def _row(name, B, Hq, Hkv, S, d, torch, rounds, target_s, caches, threads, probe
         tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
         sdpa = torch.nn.functional.scaled_dot_product_attention
         fns["torch"] = lambda: sdpa(tq, tk, tv, enable_gqa=gqa)
-    times = _interleaved(fns, rounds, target_s)
     nbytes = 4.0 * (k.size + v.size + 2 * q.size)
+    # the same gemv as the limit's, interleaved with the calls: the limit below is its best
+    # repeat on a quiet moment, this one is timed like the rows (medians of batches)
+    cols = 1024
+    pm = np.ones((max(1, int(nbytes) // (4 * cols)), cols), np.float32)
+    px = np.ones(cols, np.float32)
+    fns[PROBE] = lambda: pm @ px
+    times = _interleaved(fns, rounds, target_s)
+    probe = times.pop(PROBE)
     level = level_of(nbytes, caches, threads)
     # the limit: a gemv reading as many bytes (the level's probe sized like this row's K/V,
     # so a level boundary guessed wrong -- VMs report odd L3 sizes -- cannot skew it)
     limit = gemv_bandwidth(int(nbytes), threads, probe_s)
     rec = {"row": f"{name} ({B}, {Hq}/{Hkv}, 1, {S}, {d})", "shape": [B, Hq, Hkv, 1, S, d],
-           "limit": f"{level} bandwidth", "limit_gbytes_per_s": round(limit, 1)}
+           "limit": f"{level} bandwidth", "limit_gbytes_per_s": round(limit, 1),
+           "probe_interleaved_gbytes_per_s": round(pm.nbytes / statistics.median(probe) / 1e9, 1)}
     for impl, ts in times.items():
         med = statistics.median(ts)
+        # per round: (bytes / the call's time) / (probe bytes / the probe's time)
+        share = statistics.median((nbytes / t) / (pm.nbytes / pt) for t, pt in zip(ts, probe))
         rec[impl] = {"us_per_call": round(med * 1e6, 2),
                      "gbytes_per_s": round(nbytes / med / 1e9, 2),
-                     "of_limit": float(f"{nbytes / med / 1e9 / limit:.4g}")}
+                     "of_limit": float(f"{nbytes / med / 1e9 / limit:.4g}"),
+                     "of_probe_interleaved": float(f"{share:.4g}")}
     if "torch" in times:
         rec["time_vs_torch"] = round(_ratio(times, "fastattn", "torch"), 3)
     return rec
@@ -245,27 +268,34 @@ def markdown(data: dict) -> str:
         f"rounds, medians (ratio = median of the per-round time ratios, < 1: fastattn faster). "
         f"Read bandwidth measured in the run (float32 gemv through NumPy's BLAS, best of its "
         f"repeats on 1 and {m['threads']} threads): {bw}; each row's limit is the same probe "
-        f"over as many bytes as the row reads. Load average start/end "
+        f"over as many bytes as the row reads. The last column times that probe like the rows "
+        f"(interleaved with them, {SETTLE_S} s of pause after its batches for OpenBLAS's "
+        f"spinning threads) and gives the median over rounds of fastattn's bandwidth / the "
+        f"probe's. Load average start/end "
         f"{m.get('load_average_start')} / {m.get('load_average_end')} (a shared machine). "
         f"OMP_WAIT_POLICY={m.get('omp_wait_policy')}: both libraries' OpenMP pools share this "
         f"process; with torch's libgomp spinning after its calls (its default) on a loaded "
         f"machine, 2-thread calls of either library waited milliseconds for a core.",
         "",
-        "| row | fastattn | torch | time vs torch | limit | fastattn % of limit |",
-        "|---|---:|---:|---:|---|---:|",
+        "| row | fastattn | torch | time vs torch | limit | fastattn % of limit | "
+        "fastattn % of the probe interleaved |",
+        "|---|---:|---:|---:|---|---:|---:|",
     ]
     for r in data["records"]:
         fa_, th = r.get("fastattn", {}), r.get("torch", {})
         if "us_per_call" in fa_:
             cells = (f"{fa_['us_per_call']:.1f} us", f"{th['us_per_call']:.1f} us" if th else "",
                      f"{r['limit']} ({r['limit_gbytes_per_s']} GB/s)",
-                     f"{100 * fa_['of_limit']:.0f}% ({fa_['gbytes_per_s']:.1f} GB/s)")
+                     f"{100 * fa_['of_limit']:.0f}% ({fa_['gbytes_per_s']:.1f} GB/s)",
+                     f"{100 * fa_['of_probe_interleaved']:.0f}% (probe "
+                     f"{r['probe_interleaved_gbytes_per_s']} GB/s)"
+                     if "of_probe_interleaved" in fa_ else "")
         else:
             cells = (f"{fa_['tokens_per_s']:.0f} tok/s", f"{th['tokens_per_s']:.0f} tok/s" if th
-                     else "", r["limit"], "")
+                     else "", r["limit"], "", "")
         ratio = f"{r['time_vs_torch']:.2f}" if "time_vs_torch" in r else ""
         lines.append(f"| {r['row']} | {cells[0]} | {cells[1]} | {ratio} | {cells[2]} | "
-                     f"{cells[3]} |")
+                     f"{cells[3]} | {cells[4]} |")
     return "\n".join(lines) + "\n"
 
 
