@@ -149,29 +149,33 @@ def _row(name, B, Hq, Hkv, S, d, torch, rounds, target_s, caches, threads, probe
         sdpa = torch.nn.functional.scaled_dot_product_attention
         fns["torch"] = lambda: sdpa(tq, tk, tv, enable_gqa=gqa)
     nbytes = 4.0 * (k.size + v.size + 2 * q.size)
-    # the same gemv as the limit's, interleaved with the calls: the limit below is its best
-    # repeat on a quiet moment, this one is timed like the rows (medians of batches)
+    level = level_of(nbytes, caches, threads)
+    # DRAM rows: the same gemv as the limit's, interleaved with the calls (the limit below is
+    # its best repeat at a quiet moment, this one is timed like the rows, medians of batches).
+    # Not for cache-sized rows: there the probe's matrix is evicted by the calls between its
+    # batches and the other libraries' spinning threads took its cores (7.7 GB/s at 6 MB)
     cols = 1024
     pm = np.ones((max(1, int(nbytes) // (4 * cols)), cols), np.float32)
     px = np.ones(cols, np.float32)
-    fns[PROBE] = lambda: pm @ px
+    if level == "DRAM":
+        fns[PROBE] = lambda: pm @ px
     times = _interleaved(fns, rounds, target_s)
-    probe = times.pop(PROBE)
-    level = level_of(nbytes, caches, threads)
+    probe = times.pop(PROBE, None)
     # the limit: a gemv reading as many bytes (the level's probe sized like this row's K/V,
     # so a level boundary guessed wrong -- VMs report odd L3 sizes -- cannot skew it)
     limit = gemv_bandwidth(int(nbytes), threads, probe_s)
     rec = {"row": f"{name} ({B}, {Hq}/{Hkv}, 1, {S}, {d})", "shape": [B, Hq, Hkv, 1, S, d],
-           "limit": f"{level} bandwidth", "limit_gbytes_per_s": round(limit, 1),
-           "probe_interleaved_gbytes_per_s": round(pm.nbytes / statistics.median(probe) / 1e9, 1)}
+           "limit": f"{level} bandwidth", "limit_gbytes_per_s": round(limit, 1)}
+    if probe:
+        rec["probe_interleaved_gbytes_per_s"] = round(pm.nbytes / statistics.median(probe) / 1e9, 1)
     for impl, ts in times.items():
         med = statistics.median(ts)
-        # per round: (bytes / the call's time) / (probe bytes / the probe's time)
-        share = statistics.median((nbytes / t) / (pm.nbytes / pt) for t, pt in zip(ts, probe))
         rec[impl] = {"us_per_call": round(med * 1e6, 2),
                      "gbytes_per_s": round(nbytes / med / 1e9, 2),
-                     "of_limit": float(f"{nbytes / med / 1e9 / limit:.4g}"),
-                     "of_probe_interleaved": float(f"{share:.4g}")}
+                     "of_limit": float(f"{nbytes / med / 1e9 / limit:.4g}")}
+        if probe:       # per round: (bytes / the call's time) / (probe bytes / the probe's time)
+            share = statistics.median((nbytes / t) / (pm.nbytes / pt) for t, pt in zip(ts, probe))
+            rec[impl]["of_probe_interleaved"] = float(f"{share:.4g}")
     if "torch" in times:
         rec["time_vs_torch"] = round(_ratio(times, "fastattn", "torch"), 3)
     return rec
@@ -268,8 +272,8 @@ def markdown(data: dict) -> str:
         f"rounds, medians (ratio = median of the per-round time ratios, < 1: fastattn faster). "
         f"Read bandwidth measured in the run (float32 gemv through NumPy's BLAS, best of its "
         f"repeats on 1 and {m['threads']} threads): {bw}; each row's limit is the same probe "
-        f"over as many bytes as the row reads. The last column times that probe like the rows "
-        f"(interleaved with them, {SETTLE_S} s of pause after its batches for OpenBLAS's "
+        f"over as many bytes as the row reads. The last column (DRAM rows) times that probe like "
+        f"the rows (interleaved with them, {SETTLE_S} s of pause after its batches for OpenBLAS's "
         f"spinning threads) and gives the median over rounds of fastattn's bandwidth / the "
         f"probe's. Load average start/end "
         f"{m.get('load_average_start')} / {m.get('load_average_end')} (a shared machine). "
