@@ -257,7 +257,8 @@ cdef inline void dec_group_run(AttnProblem *p, Work *w, ptrdiff_t hk, int64_t ko
 cdef inline bint dec_one_row_ok(AttnProblem *p) noexcept nogil:
     """fa_decode1.h / fa_decodeg.h serve this call (float32 on AVX-512), or
     fa_decode_avx2.h (float32 on AVX2, head dims multiples of 8); scores with no modifier."""
-    return ((fa_decode1_available() or fa_decode_avx2_available(p.E, p.Ev)) and p.tune.dec_use_dot and p.mask_kind == 0
+    return ((fa_decode1_available() or fa_decode_avx2_available(p.E, p.Ev))
+            and p.tune.dec_use_dot and p.mask_kind == 0
             and p.softcap == 0 and not p.has_alibi and not p.has_dropout)
 
 
@@ -388,7 +389,8 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
     p.Bk = p.tune.dec_bk
     if heads and group:
         # dec_heads_group's blocks: all kv heads' rows of DEC_HG_BK keys (Hkv x 32 KB at d =
-        # 128), then the next; a block ahead is prefetched (dec1_prefetch)
+        # 128), then the next; a block ahead is prefetched (dec1_prefetch).  The AVX2 kernel:
+        # DEC_HG_BK_AVX2 keys and no prefetch
         if p.tune.dec_bk_set:
             p.Bk = p.tune.dec_bk
         else:
