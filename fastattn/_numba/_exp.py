@@ -13,7 +13,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ._intrinsics import FM, HAVE_AVX512DQ, as_float, as_int, fcast, wide_vectors
+from ._intrinsics import (FM, HAVE_AVX512DQ, as_float, as_int, fcast, fused_mul_sub,
+                          wide_vectors)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -300,7 +301,7 @@ def _exp2_row_sum_ol(S, r, P, n, c, m):
         wide_vectors()
         s = fcast(P, 0.0)
         for j in range(n):
-            p = exp2v(S[r, j] * c - m)
+            p = exp2v(fused_mul_sub(S[r, j], c, m))     # one rounding, as the AVX-512 pass
             P[r, j] = p
             s += p
         return s

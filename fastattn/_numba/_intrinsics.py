@@ -98,6 +98,28 @@ def fmax_nan(typingctx, a, b):
 
 
 @intrinsic
+def fused_mul_sub(typingctx, a, b, c):
+    """a * b - c rounded once (llvm.fma with -c), whatever the fast-math flags around it.
+
+    The 'contract' flag only allows the fusion: in the softmax's generic row loop (CPUs without
+    AVX-512) LLVM kept a separate multiply and subtract, so t = x*c - m there was rounded twice
+    (at the row max t came out 0 instead of the FMA's residual) and differed from the AVX-512
+    pass and the elementwise exp2."""
+    if not (isinstance(a, types.Float) and a == b == c):
+        return None
+    sig = a(a, b, c)
+
+    def codegen(context, builder, signature, args):
+        lt = context.get_value_type(signature.return_type)
+        suffix = 'f32' if lt == ir.FloatType() else 'f64'
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(lt, [lt, lt, lt]), "llvm.fma." + suffix)
+        x, y, z = args
+        return builder.call(fn, [x, y, builder.fneg(z)])
+    return sig, codegen
+
+
+@intrinsic
 def as_float(typingctx, x):
     """Bit-cast int32 -> float32 or int64 -> float64."""
     if x == types.int32:
