@@ -70,15 +70,20 @@ def level_of(nbytes: float, caches: dict, threads: int) -> str:
     return "DRAM"
 
 
+def _probe_arrays(nbytes: int):
+    """The read probe's float32 matrix of about nbytes (rows of 1024) and its vector."""
+    cols = 1024
+    return (np.ones((max(1, nbytes // (4 * cols)), cols), np.float32),
+            np.ones(cols, np.float32))
+
+
 def gemv_bandwidth(nbytes: int, threads: int, seconds: float) -> float:
     """Read GB/s of a float32 gemv (NumPy's BLAS) over a matrix of nbytes: the best time over
     its repeats, with the BLAS on 1 thread and on `threads` (on a loaded machine the
     multi-threaded probe may never get its cores; the one-thread one still gives a floor)."""
     from threadpoolctl import threadpool_limits
 
-    cols = 1024
-    m = np.ones((max(1, nbytes // (4 * cols)), cols), np.float32)
-    x = np.ones(cols, np.float32)
+    m, x = _probe_arrays(nbytes)
     best = float("inf")
     for nt in sorted({1, threads}):
         with threadpool_limits(nt):
@@ -154,10 +159,8 @@ def _row(name, B, Hq, Hkv, S, d, torch, rounds, target_s, caches, threads, probe
     # its best repeat at a quiet moment, this one is timed like the rows, medians of batches).
     # Not for cache-sized rows: there the probe's matrix is evicted by the calls between its
     # batches and the other libraries' spinning threads took its cores (7.7 GB/s at 6 MB)
-    cols = 1024
-    pm = np.ones((max(1, int(nbytes) // (4 * cols)), cols), np.float32)
-    px = np.ones(cols, np.float32)
     if level == "DRAM":
+        pm, px = _probe_arrays(int(nbytes))
         fns[PROBE] = lambda: pm @ px
     times = _interleaved(fns, rounds, target_s)
     probe = times.pop(PROBE, None)
