@@ -359,6 +359,17 @@ cdef inline void dec_any(AttnProblem *p, Work *w, floating *dummy, bint heads, b
         dec_item(p, w, dummy, it, nrg, Rcap, nsplit, chunk, part_O, part_ml)
 
 
+cdef inline int64_t dec_longest_keys(AttnProblem *p) noexcept nogil:
+    """The most keys any sequence reads: S, or the longest of seqlens (chunks past it would
+    hold no key)."""
+    cdef int64_t n = 0, b
+    if p.seqlens == NULL:
+        return p.S
+    for b in range(p.B):
+        n = max(n, <int64_t>seq_keys(p, b))
+    return n
+
+
 cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
     cdef ptrdiff_t R = p.G * p.L
     cdef ptrdiff_t Rcap = min(R, DEC_RCAP)
@@ -380,8 +391,14 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
     cdef ptrdiff_t units = n_groups // p.Hkv if heads else n_groups
     cdef ptrdiff_t want = (32 if heads else 8) * nt
     cdef ptrdiff_t nsplit = 1
-    if units < want:
-        nsplit = min((want + units - 1) // units, max(<ptrdiff_t>1, p.S // DEC_MIN_CHUNK))
+    # Split by the keys a sequence can read (a KV cache's lengths, not its capacity), and only
+    # for more than one thread: a split costs its partial results and a merge, and at one thread
+    # there is no schedule to even out.  (A decode step of 8 sequences of 17 keys in caches of
+    # 2048 was split 4 ways, 3 of them empty: 171 us at one thread, most of it the merge and
+    # the page faults of its fresh 0.5 MB of partials.)
+    cdef int64_t keys = dec_longest_keys(p)
+    if units < want and nt > 1:
+        nsplit = min((want + units - 1) // units, max(<ptrdiff_t>1, keys // DEC_MIN_CHUNK))
     cdef ptrdiff_t n_items = n_groups * nsplit
     cdef ptrdiff_t n_loop = units * nsplit      # loop iterations: items, or items of all heads
     cdef ptrdiff_t n_works = p.Hkv if heads else 1
@@ -397,7 +414,7 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
             p.Bk = DEC_HG_BK if fa_decode1_available() else DEC_HG_BK_AVX2
     p.prefetch = 2 if p.tune.dec_pf_kind < 0 else p.tune.dec_pf_kind
     p.pf_ahead = p.tune.dec_pf_ahead if p.tune.dec_pf_ahead else p.Bk
-    cdef ptrdiff_t chunk = round_up((p.S + nsplit - 1) // nsplit, p.Bk) if p.S else 1
+    cdef ptrdiff_t chunk = round_up((keys + nsplit - 1) // nsplit, p.Bk) if keys else 1
     p.Wcap = round_up(Rcap, k_nr(dummy)) + 16
     p.lds = p.Wcap
     p.ldo = round_up(p.Ev, k_vw(dummy)) if p.Ev > 0 else 1
