@@ -44,9 +44,15 @@ def decode_bytes(p) -> int:
     else:
         lo = band.q_offset - band.left
         hi = band.q_offset + L + band.right
-        n = p.seqlens.astype(np.int64)
-        shift = n - S                              # a sequence's rows sit seqlens[b] - S later
-        keys = int(np.maximum(0, np.minimum(n, hi + shift) - np.maximum(0, lo + shift)).sum())
+        if p.seqlens.size <= 64:                   # a decode step: NumPy's calls cost ~15 us
+            keys = 0
+            for n in p.seqlens.tolist():
+                shift = n - S                      # a sequence's rows sit seqlens[b] - S later
+                keys += max(0, min(n, hi + shift) - max(0, lo + shift))
+        else:
+            n = p.seqlens.astype(np.int64)
+            shift = n - S
+            keys = int(np.maximum(0, np.minimum(n, hi + shift) - np.maximum(0, lo + shift)).sum())
     return keys * p.k.shape[1] * (p.k.shape[3] + p.v.shape[3]) * p.k.itemsize
 
 
