@@ -79,6 +79,15 @@ def as_float_array(x, name: str, fn: str) -> np.ndarray:
 
 
 def check_same_dtype(fn: str, **arrays: np.ndarray) -> np.dtype:
+    first = None
+    for a in arrays.values():            # the usual call: one dtype object for all of them
+        if first is None:
+            first = a.dtype
+        elif a.dtype is not first:
+            break
+    else:
+        if first is not None:
+            return first
     dtypes = {name: a.dtype for name, a in arrays.items()}
     if len(set(dtypes.values())) > 1:
         listed = ", ".join(f"{name} {dt}" for name, dt in dtypes.items())
@@ -573,12 +582,13 @@ def make_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
 def _element_strides(x: np.ndarray, name: str, fn: str) -> tuple:
     """Element strides of the first three axes of a 4-D view whose last axis is contiguous."""
     item = x.itemsize
-    if x.shape[3] > 1 and x.strides[3] != item:
+    s0, s1, s2, s3 = x.strides
+    if x.shape[3] > 1 and s3 != item:
         raise ValueError(f"{fn}: {name}'s last axis (head_dim) must be contiguous, got byte "
                          f"strides {x.strides}")
-    if any(st % item for st in x.strides[:3]):
+    if s0 % item or s1 % item or s2 % item:
         raise ValueError(f"{fn}: {name}'s byte strides {x.strides} are not whole elements")
-    return tuple(st // item for st in x.strides[:3])
+    return (s0 // item, s1 // item, s2 // item)
 
 
 def make_cache_problem(q, k, v, *, seqlens, block_table=None, is_causal=True, window=None,

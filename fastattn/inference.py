@@ -36,8 +36,8 @@ __all__ = ["attention_with_kvcache", "varlen_attention", "varlen_attention_backw
 def _int_vector(x, name: str, n: int | None, fn: str, *, allow_scalar: bool = False) -> np.ndarray:
     """An int32 vector (flash-attn's index dtype) of length n, non-negative, as int64 for the
     index arithmetic here."""
-    if allow_scalar and isinstance(x, (numbers.Integral, np.integer)) and not isinstance(
-            x, (bool, np.bool_)):
+    if allow_scalar and type(x) is not np.ndarray and isinstance(
+            x, (numbers.Integral, np.integer)) and not isinstance(x, (bool, np.bool_)):
         if x < 0:
             raise ValueError(f"{fn}: {name} must be >= 0, got {int(x)}")
         return np.full(n, int(x), np.int64)
@@ -48,12 +48,23 @@ def _int_vector(x, name: str, n: int | None, fn: str, *, allow_scalar: bool = Fa
     if arr.ndim != 1 or (n is not None and arr.shape[0] != n):
         want = f"({n},)" if n is not None else "1-D"
         raise ValueError(f"{fn}: {name} must have shape {want}, got {arr.shape}")
-    if arr.size and arr.min() < 0:
+    if arr.size and _min_max(arr)[0] < 0:
         raise ValueError(f"{fn}: {name} must be non-negative, got {arr.tolist()[:16]}")
     return arr.astype(np.int64)
 
 
+def _min_max(arr: np.ndarray) -> tuple:
+    """(min, max) of a non-empty integer array as Python ints.  A decode step's arrays hold a
+    few entries, where a NumPy reduction costs ~3 us each and the list's builtins a tenth."""
+    if arr.size <= 256:
+        values = arr.ravel().tolist()
+        return min(values), max(values)
+    return int(arr.min()), int(arr.max())
+
+
 def _heads_layout(x, name: str, fn: str, ndim: int = 4) -> np.ndarray:
+    if type(x) is np.ndarray and x.dtype in _NATIVE_FLOATS and x.ndim == ndim:
+        return x                         # the usual call: as_float_array would return it as is
     arr = as_float_array(x, name, fn)
     if arr.ndim != ndim:
         layout = "(batch, seqlen, heads, head_dim)" if ndim == 4 else "(total, heads, head_dim)"
@@ -116,13 +127,18 @@ def _alibi_row(alibi_slopes, b: int, B: int, Hq: int, fn: str):
                      f"({B}, {Hq}), got {a.shape}")
 
 
+_NATIVE_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))     # in the machine's byte order
+
+
 def _in_place_layout(cache: np.ndarray) -> bool:
     """The kernels can read this cache where it is: float32/float64 in the machine's byte
     order, head_dim contiguous, whole-element strides."""
-    item = cache.itemsize
-    return (cache.dtype in (np.float32, np.float64) and cache.dtype.isnative
-            and (cache.shape[3] <= 1 or cache.strides[3] == item)
-            and all(st % item == 0 for st in cache.strides))
+    dt = cache.dtype
+    item = dt.itemsize
+    s0, s1, s2, s3 = cache.strides
+    return ((dt.type is np.float32 or dt.type is np.float64) and dt.isnative
+            and (cache.shape[3] <= 1 or s3 == item)
+            and not (s0 % item or s1 % item or s2 % item or s3 % item))
 
 
 def _in_place_backend(problem, backend):
@@ -135,12 +151,45 @@ def _in_place_backend(problem, backend):
             return _backends.resolve(problem, "forward", backend)
         except _backends.BackendUnavailableError:
             return None                  # the copies path raises it, if that cannot run either
-    _backends.resolve(problem, "forward", "auto")        # FASTATTN_REQUIRE is checked here
+    _backends._check_required()         # FASTATTN_REQUIRE, as resolve(..., "auto") checks it
     for cand in _backends.auto_order(problem, "forward"):
         be = _backends.registry[cand]
         if be.available:
             return None if be.not_supported_reasons(problem, "forward") else be
     return None
+
+
+def _write_new(k_cache, v_cache, k, v, lens, block_table, rows) -> None:
+    """k[b], v[b] (Lnew, Hkv, E) into positions lens[b] ... of sequence b: cache row rows[b], or
+    through block_table.  The targets are distinct (checked by the caller), so the order of the
+    writes does not matter.  A few sequences whose new tokens stay in one page are written
+    through slices (~1 us each); otherwise one indexed assignment per cache for the batch (about
+    5 us each whatever the batch; row by row with index arrays, 8 sequences cost ~80 us)."""
+    B, Lnew = k.shape[:2]
+    starts = lens.tolist()
+    if B <= 8:
+        spans = []
+        for b, start in enumerate(starts):
+            if block_table is None:
+                spans.append((int(rows[b]), start))
+                continue
+            page, slot = divmod(start, k_cache.shape[1])
+            if slot + Lnew > k_cache.shape[1]:
+                break                                   # crosses a page: the indexed way
+            spans.append((int(block_table[b, page]), slot))
+        else:
+            for b, (row, at) in enumerate(spans):
+                k_cache[row, at:at + Lnew] = k[b]
+                v_cache[row, at:at + Lnew] = v[b]
+            return
+    pos = lens[:, None] + np.arange(Lnew)                 # (B, Lnew) absolute positions
+    if block_table is None:
+        where = (rows[:, None], pos)
+    else:
+        page_size = k_cache.shape[1]
+        where = (block_table[np.arange(B)[:, None], pos // page_size], pos % page_size)
+    k_cache[where] = k
+    v_cache[where] = v
 
 
 # ----------------------------------------------------------------------------------------------
@@ -179,6 +228,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     Returns out (B, Lq, Hq, Ev), and lse (B, Hq, Lq) when return_lse.
     """
     fn = "attention_with_kvcache"
+    given = {"k_cache": k_cache, "v_cache": v_cache}     # the arrays new tokens are written to
     q = _heads_layout(q, "q", fn)
     k_cache = _heads_layout(k_cache, "k_cache", fn)
     v_cache = _heads_layout(v_cache, "v_cache", fn)
@@ -209,7 +259,16 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
             raise ValueError(f"{fn}: k and v must have the cache's head dims ({E}, {Ev}), got "
                              f"k {k.shape} and v {v.shape}")
         for name in ("k_cache", "v_cache"):
-            if k.shape[1] and not named[name].flags.writeable:      # length 0 writes nothing
+            if not k.shape[1]:                                       # length 0 writes nothing
+                continue
+            # the caller's own array takes the writes: a list would be read through a fresh
+            # array and an array of the other byte order through a converted copy, and writes
+            # into those are lost (the next step would not see this one's tokens)
+            if not isinstance(given[name], np.ndarray):
+                raise TypeError(f"{fn}: {name} must be a NumPy array when k and v are given (the "
+                                f"new keys/values are written into it in place), got "
+                                f"{describe(given[name])}")
+            if not given[name].flags.writeable:
                 raise ValueError(f"{fn}: {name} is read-only; the new keys/values are written "
                                  f"into it in place")
     check_same_dtype(fn, **named)
@@ -228,16 +287,22 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         capacity = bt.shape[1] * page_size
         if page_size == 0 and total.max(initial=0) > 0:
             raise ValueError(f"{fn}: the paged cache has page_size 0")
-        pages_used = [bt[b, :-(-int(total[b]) // page_size)] if total[b] else bt[b, :0]
-                      for b in range(B)]
-        used = np.concatenate(pages_used) if pages_used else np.zeros(0, np.int32)
-        if used.size and (used.min() < 0 or used.max() >= n_slots):
-            bad = used[(used < 0) | (used >= n_slots)][:8].tolist()
-            raise ValueError(f"{fn}: block_table entries must be pages in [0, {n_slots}), got "
-                             f"{bad} among the pages in use")
-        if np.unique(used).size != used.size:
-            raise ValueError(f"{fn}: block_table gives the same page to more than one position "
-                             f"of the live sequences (pages in use: {used.tolist()[:32]})")
+        # the pages the live positions use: sequence b's first ceil(total[b] / page_size)
+        # (as many as its row has; a longer sequence is refused below), in row order
+        n_used = -(-total // page_size) if page_size else np.zeros(B, np.int64)
+        used = bt[np.arange(bt.shape[1]) < n_used[:, None]]
+        if used.size:
+            lo, hi = _min_max(used)
+            if lo < 0 or hi >= n_slots:
+                bad = used[(used < 0) | (used >= n_slots)][:8].tolist()
+                raise ValueError(f"{fn}: block_table entries must be pages in [0, {n_slots}), "
+                                 f"got {bad} among the pages in use")
+            distinct = (len(set(used.tolist())) if used.size <= 4096
+                        else np.unique(used).size)
+            if distinct != used.size:
+                raise ValueError(f"{fn}: block_table gives the same page to more than one "
+                                 f"position of the live sequences (pages in use: "
+                                 f"{used.tolist()[:32]})")
     else:
         capacity = slot_len
         if cache_batch_idx is None:
@@ -247,13 +312,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                                  f"cache_batch_idx")
         else:
             rows = _int_vector(cache_batch_idx, "cache_batch_idx", B, fn)
-            if rows.size and rows.max() >= n_slots:
+            if rows.size and _min_max(rows)[1] >= n_slots:
                 raise ValueError(f"{fn}: cache_batch_idx entries must be < B_cache = {n_slots}, "
                                  f"got {rows.tolist()[:16]}")
-            if Lnew and np.unique(rows).size != rows.size:
+            if Lnew and len(set(rows.tolist())) != rows.size:
                 raise ValueError(f"{fn}: cache_batch_idx must be distinct when k/v are written, "
                                  f"got {rows.tolist()[:16]}")
-    if total.size and total.max() > capacity:
+    if total.size and _min_max(total)[1] > capacity:
         b = int(np.argmax(total))
         raise ValueError(f"{fn}: cache_seqlens[{b}] + Lnew = {int(lens[b])} + {Lnew} exceeds the "
                          f"cache's capacity of {capacity} tokens per sequence")
@@ -296,22 +361,23 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         scaled_dot_product_attention(q[:0, :0].transpose(0, 2, 1, 3),
                                      k_cache[:0, :0].transpose(0, 2, 1, 3),
                                      v_cache[:0, :0].transpose(0, 2, 1, 3), **opts)
-    alibis = [_alibi_row(alibi_slopes, b, B, Hq, fn) for b in range(B)]
+    # the copies path's per-sequence slopes (the in-place problem checked them already)
+    alibis = None if in_place is not None else [_alibi_row(alibi_slopes, b, B, Hq, fn)
+                                                for b in range(B)]
 
     # ---- write the new tokens (nothing was written before this point) ----
     if k is not None and Lnew:
-        for b in range(B):
-            kb = k[b]
-            if rot is not None:
-                kb = _rotate(kb, lens[b] + np.arange(Lnew), *rot, rotary_interleaved)
-            pos = lens[b] + np.arange(Lnew)
-            if paged:
-                page = block_table[b, pos // page_size]
-                k_cache[page, pos % page_size] = kb
-                v_cache[page, pos % page_size] = v[b]
-            else:
-                k_cache[rows[b], pos] = kb
-                v_cache[rows[b], pos] = v[b]
+        kn = k
+        if rot is not None:
+            pos = lens[:, None] + np.arange(Lnew)         # (B, Lnew) absolute positions
+            kn = _rotate(k.reshape(B * Lnew, Hkv, E), pos.reshape(-1), *rot,
+                         rotary_interleaved).reshape(k.shape)
+        table, seq_rows = (block_table, None) if paged else (None, rows)
+        _write_new(k_cache, v_cache, kn, v, lens, table, seq_rows)
+        if given["k_cache"] is not k_cache or given["v_cache"] is not v_cache:
+            # the caller's cache is in the other byte order: it takes the tokens too (NumPy
+            # converts them exactly); this call reads the converted copy
+            _write_new(given["k_cache"], given["v_cache"], kn, v, lens, table, seq_rows)
 
     # ---- attend: one kernel call reading the cache where it is, when the backend can ----
     if in_place is not None:

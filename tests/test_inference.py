@@ -321,6 +321,76 @@ def test_ragged_batches_in_every_layout_match_the_dense_reference(backend, rng, 
                                    rtol=t, atol=t, err_msg=str(what))
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_cache_in_the_other_byte_order_takes_the_new_tokens(rng, paged):
+    """A big-endian (non-native) cache is read through a converted copy; the new tokens must
+    still land in the caller's array (they were written into the copy only and lost: the next
+    step did not see them), and the step after attends them."""
+    B, Hkv, E, S_max, page = 2, 2, 8, 12, 4
+    swapped = np.dtype(np.float32).newbyteorder("S")
+    kc = rng.standard_normal((B, S_max, Hkv, E)).astype(np.float32)
+    vc = rng.standard_normal((B, S_max, Hkv, E)).astype(np.float32)
+    kcs, vcs, where = _store(rng, kc, vc, "paged" if paged else "contiguous", page)
+    native_k, native_v = kcs.copy(), vcs.copy()
+    kcs, vcs = kcs.astype(swapped), vcs.astype(swapped)
+    lens = np.array([3, 5], np.int32)
+    q = rng.standard_normal((B, 1, 4, E)).astype(np.float32)
+    k = rng.standard_normal((B, 1, Hkv, E)).astype(np.float32)
+    v = rng.standard_normal((B, 1, Hkv, E)).astype(np.float32)
+    fa.attention_with_kvcache(q, native_k, native_v, k, v, cache_seqlens=lens, **where)
+    fa.attention_with_kvcache(q, kcs, vcs, k, v, cache_seqlens=lens, **where)
+    assert kcs.dtype == swapped
+    np.testing.assert_array_equal(kcs.astype(np.float32), native_k)
+    np.testing.assert_array_equal(vcs.astype(np.float32), native_v)
+    want = fa.attention_with_kvcache(q, native_k, native_v, cache_seqlens=lens + 1, **where)
+    got = fa.attention_with_kvcache(q, kcs, vcs, cache_seqlens=lens + 1, **where)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_cache_that_is_not_an_array_is_refused_when_tokens_are_added(rng):
+    kc = np.zeros((1, 6, 1, 4), np.float32)
+    q = np.ones((1, 1, 2, 4), np.float32)
+    k = np.ones((1, 1, 1, 4), np.float32)
+    with pytest.raises(TypeError, match="k_cache must be a NumPy array"):
+        fa.attention_with_kvcache(q, kc.tolist(), kc, k, k, cache_seqlens=np.array([2], np.int32))
+    with pytest.raises(TypeError, match="v_cache must be a NumPy array"):
+        fa.attention_with_kvcache(q, kc, kc.tolist(), k, k, cache_seqlens=np.array([2], np.int32))
+    assert not kc.any()                          # nothing written before the refusal
+
+
+@pytest.mark.parametrize("B", [1, 5, 8, 9, 12])
+@pytest.mark.parametrize("Lnew", [1, 4])
+@pytest.mark.parametrize("layout,page", [("contiguous", None), ("rows", None), ("paged", 3),
+                                         ("paged", 16)])
+def test_new_tokens_land_in_the_same_slots_at_every_batch_size(rng, B, Lnew, layout, page):
+    """The new keys/values go where one position-by-position write puts them, whichever way
+    the call writes them (slices for up to 8 sequences that stay in a page, one indexed
+    assignment otherwise; pages of 3 make 4 new tokens cross a page), and nothing else of the
+    cache changes."""
+    Hkv, E, S_max = 2, 8, 30
+    kc = rng.standard_normal((B, S_max, Hkv, E)).astype(np.float32)
+    vc = rng.standard_normal((B, S_max, Hkv, E)).astype(np.float32)
+    kcs, vcs, where = _store(rng, kc, vc, layout, page)
+    want_k, want_v = kcs.copy(), vcs.copy()
+    lens = rng.integers(0, S_max - Lnew + 1, B).astype(np.int32)
+    q = rng.standard_normal((B, 1, 4, E)).astype(np.float32)
+    k = rng.standard_normal((B, Lnew, Hkv, E)).astype(np.float32)
+    v = rng.standard_normal((B, Lnew, Hkv, E)).astype(np.float32)
+    fa.attention_with_kvcache(q, kcs, vcs, k, v, cache_seqlens=lens, **where)
+    for b in range(B):
+        for i in range(Lnew):
+            t = int(lens[b]) + i
+            if layout == "paged":
+                slot = (where["block_table"][b, t // page], t % page)
+            elif layout == "rows":
+                slot = (where["cache_batch_idx"][b], t)
+            else:
+                slot = (b, t)
+            want_k[slot], want_v[slot] = k[b, i], v[b, i]
+    assert kcs.tobytes() == want_k.tobytes()
+    assert vcs.tobytes() == want_v.tobytes()
+
+
 @pytest.mark.parametrize("Hq", [2, 8])
 @pytest.mark.parametrize("layout,page", [("contiguous", None), ("paged", 256), ("paged", 100)])
 def test_long_ragged_decode_matches_the_dense_reference(backend, rng, Hq, layout, page):
