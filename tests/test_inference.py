@@ -414,6 +414,30 @@ def test_long_ragged_decode_matches_the_dense_reference(backend, rng, Hq, layout
     np.testing.assert_allclose(lse, want_lse, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("Hq", [2, 8])
+def test_paged_gives_the_bits_of_contiguous_of_another_capacity(rng, Hq):
+    """Long ragged decode (keys split across threads when there are two): the split follows
+    the longest sequence, not the cache's capacity, so a page table with spare pages gives the
+    bits of the contiguous cache."""
+    B, Hkv, E, S_max, page = 3, 2, 64, 5200, 256
+    lens = np.array([5100, 1200, 0], np.int32)
+    kc = rng.standard_normal((B, S_max, Hkv, E)).astype(np.float32)
+    vc = rng.standard_normal((B, S_max, Hkv, E)).astype(np.float32)
+    q = rng.standard_normal((B, 1, Hq, E)).astype(np.float32)
+    used = -(-S_max // page)
+    table = rng.permutation(B * (used + 2)).astype(np.int32).reshape(B, used + 2)
+    kp = np.zeros((table.size, page, Hkv, E), np.float32)
+    vp = np.zeros_like(kp)
+    for b in range(B):
+        for i in range(used):
+            part = slice(i * page, min(S_max, (i + 1) * page))
+            kp[table[b, i], :part.stop - part.start] = kc[b, part]
+            vp[table[b, i], :part.stop - part.start] = vc[b, part]
+    want = fa.attention_with_kvcache(q, kc, vc, cache_seqlens=lens)
+    got = fa.attention_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table)
+    assert got.tobytes() == want.tobytes()
+
+
 @pytest.mark.parametrize("page", [7, 100, 256])
 @pytest.mark.parametrize("Lq", [1, 4, 24])
 def test_paged_gives_the_bits_of_contiguous(backend, rng, page, Lq):
