@@ -162,12 +162,12 @@ def _in_place_backend(problem, backend):
 def _write_new(k_cache, v_cache, k, v, lens, block_table, rows) -> None:
     """k[b], v[b] (Lnew, Hkv, E) into positions lens[b] ... of sequence b: cache row rows[b], or
     through block_table.  The targets are distinct (checked by the caller), so the order of the
-    writes does not matter.  A few sequences whose new tokens stay in one page are written
+    writes does not matter.  Up to 4 sequences whose new tokens stay in one page are written
     through slices (~1 us each); otherwise one indexed assignment per cache for the batch (about
     5 us each whatever the batch; row by row with index arrays, 8 sequences cost ~80 us)."""
     B, Lnew = k.shape[:2]
     starts = lens.tolist()
-    if B <= 8:
+    if B <= 4:
         spans = []
         for b, start in enumerate(starts):
             if block_table is None:
