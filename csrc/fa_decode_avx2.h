@@ -29,6 +29,12 @@
 
 #define FA_A2 __attribute__((target("avx2,fma")))
 #define FA_D2_INL static inline __attribute__((always_inline)) FA_A2
+/* Pin a loaded vector in a register.  Inlined into the big per-R block function, GCC folded
+ * the V loads of the P·V loop (and the q loads of the scores) into the FMAs as memory
+ * operands, re-reading each vector once per row: 12 loads per 8 FMAs instead of 6, and the
+ * load ports, not the FMAs, set the pace (P·V of R = 4, d = 128: 20 ns a key inlined against
+ * 12 as a separate function, Zen 4 guest).  An empty asm that "changes" the value stops it. */
+#define FA_D2_KEEP(x) __asm__("" : "+x"(x))
 
 /* lane i of the result = the sum of acc[i]'s 8 lanes */
 FA_D2_INL __m256 fa_d2_hsum8_(const __m256 *acc)
@@ -78,23 +84,35 @@ FA_D2_INL __m256 fa_d2_scores8_(const float *q, ptrdiff_t E, const float *K, ptr
  * of 8/RP keys x RP rows fill the 8 accumulators, so each K row is loaded once for all the
  * rows (row by row, a GQA block's K rows were read R times, from L2 once the block's K and V
  * outgrew L1).  Rows past R repeat row R - 1 and are dropped.  Meanwhile rows [0, nn) of Kpf
- * are prefetched (kind), a key group at a time. */
+ * and of Vpf are prefetched (kind), a key group at a time: V's too, because with V's
+ * prefetch left to the first P·V panel (an eighth of the P·V time at R = 4, d = 128) one
+ * thread read a DRAM-resident cache at 9-10 GB/s against 13-16 with it here (C harness over
+ * fa_decodeg_f_avx2, 64 MB K and V, Zen 4 guest, prefetch one block ahead); spreading it over
+ * all panels instead gained nothing.  Through the library: 0.82-0.92x the time of GQA 32/8
+ * d = 128 S = 16384 and 0.85x of 8/2 d = 64 S = 65536 (bench's A/B of two trees). */
 FA_D2_INL void fa_d2_scores_rows_(const int RP, const float *q, ptrdiff_t ldq, int R,
                                   ptrdiff_t E, const float *K, ptrdiff_t ldk, ptrdiff_t nb,
-                                  float scale, float *S, const float *Kpf, ptrdiff_t nn, int kind)
+                                  float scale, float *S, const float *Kpf, ptrdiff_t nn, int kind,
+                                  const float *Vpf, ptrdiff_t ldv, ptrdiff_t Ev)
 {
     const int KG = 8 / RP;
     const float *qr[4];
     for (int r = 0; r < RP; r++) qr[r] = q + (r < R ? r : R - 1) * ldq;
     for (ptrdiff_t j0 = 0; j0 < nb; j0 += KG) {
-        if (j0 < nn) fa_d1_prefetch_(Kpf, ldk, E, j0, j0 + KG < nn ? j0 + KG : nn, kind);
+        if (j0 < nn) {
+            fa_d1_prefetch_(Kpf, ldk, E, j0, j0 + KG < nn ? j0 + KG : nn, kind);
+            fa_d1_prefetch_(Vpf, ldv, Ev, j0, j0 + KG < nn ? j0 + KG : nn, kind);
+        }
         const float *kr[4];
         for (int kk = 0; kk < KG; kk++) kr[kk] = K + (j0 + kk < nb ? j0 + kk : nb - 1) * ldk;
         __m256 acc[8];
         for (int a = 0; a < 8; a++) acc[a] = _mm256_setzero_ps();
         for (ptrdiff_t e = 0; e < E; e += 8) {
             __m256 qv[4];
-            for (int r = 0; r < RP; r++) qv[r] = _mm256_loadu_ps(qr[r] + e);
+            for (int r = 0; r < RP; r++) {
+                qv[r] = _mm256_loadu_ps(qr[r] + e);
+                FA_D2_KEEP(qv[r]);
+            }
             for (int kk = 0; kk < KG; kk++) {
                 const __m256 kv = _mm256_loadu_ps(kr[kk] + e);
                 for (int r = 0; r < RP; r++)
@@ -128,7 +146,10 @@ FA_D2_INL void fa_d2_pv_(const int R, const int NV, const float *P, ptrdiff_t n,
                     acc[v] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8 * v), acc[v]);
             } else {
                 __m256 vv[4];
-                for (int v = 0; v < NV; v++) vv[v] = _mm256_loadu_ps(vr + 8 * v);
+                for (int v = 0; v < NV; v++) {
+                    vv[v] = _mm256_loadu_ps(vr + 8 * v);
+                    FA_D2_KEEP(vv[v]);
+                }
                 for (int r = 0; r < R; r++) {
                     const __m256 pj = _mm256_set1_ps(P[r * FA_D1_BK + j]);
                     for (int v = 0; v < NV; v++)
@@ -171,7 +192,11 @@ FA_D2_INL void fa_d2_pv_cols_(const int R, const float *P, ptrdiff_t n, const fl
 }
 
 /* One block of nb <= FA_D1_BK keys for R rows; rows [0, nn) of Kpf / Vpf are prefetched
- * meanwhile (K during the first row's scores, V during the first P·V panel). */
+ * meanwhile: up to two rows, K during the scores and V during the first P·V panel (moving V's
+ * to the scores was no faster there and at R = 2, d = 128 1.03-1.27x slower: those rows
+ * want a key every ~20 ns, more than DRAM gives one thread, and the doubled burst of
+ * prefetches only queued); three or more, both during the first four rows' scores
+ * (fa_d2_scores_rows_). */
 FA_D2_INL void fa_d2_block_(const int R, const float *q, ptrdiff_t ldq, const float *Kb,
                             ptrdiff_t ldk, const float *Vb, ptrdiff_t ldv, ptrdiff_t nb,
                             ptrdiff_t E, ptrdiff_t Ev, float scale, float *m, double *l,
@@ -186,10 +211,11 @@ FA_D2_INL void fa_d2_block_(const int R, const float *q, ptrdiff_t ldq, const fl
             const int rows = R - r0 < 4 ? R - r0 : 4;
             if (rows <= 2)
                 fa_d2_scores_rows_(2, q + r0 * ldq, ldq, rows, E, Kb, ldk, nb, scale,
-                                   P + r0 * FA_D1_BK, Kpf, r0 ? 0 : nn, kind);
+                                   P + r0 * FA_D1_BK, Kpf, r0 ? 0 : nn, kind, Vpf, ldv,
+                                   R > 2 ? Ev : 0);
             else
                 fa_d2_scores_rows_(4, q + r0 * ldq, ldq, rows, E, Kb, ldk, nb, scale,
-                                   P + r0 * FA_D1_BK, Kpf, r0 ? 0 : nn, kind);
+                                   P + r0 * FA_D1_BK, Kpf, r0 ? 0 : nn, kind, Vpf, ldv, Ev);
         }
     for (int r = 0; r < R; r++) {
         __m256 s[FA_D1_BK / 8];
@@ -231,7 +257,7 @@ FA_D2_INL void fa_d2_block_(const int R, const float *q, ptrdiff_t ldq, const fl
                 _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(o + c), av));
         }
     }
-    fa_d2_pv_cols_(R, P, nb, Vb, ldv, Ev, O, ldo, Vpf, nn, kind);
+    fa_d2_pv_cols_(R, P, nb, Vb, ldv, Ev, O, ldo, Vpf, R > 2 ? 0 : nn, kind);
 }
 
 #define FA_D2_CASE(RR)                                                                     \
