@@ -2,8 +2,9 @@
 
     python -m fastattn.bench --preset inference [--rounds N] [--out DIR] [--threads N]
 
-The rows of issue 16's speed item, each timed interleaved in ONE process (as the latency
-preset: fastattn's call and its peers alternate round by round, medians of per-round ratios):
+The rows of issue 16's speed item, each timed interleaved in ONE process (the latency
+preset's timing: fastattn's call and its peers alternate round by round, each a batch of
+about BATCH_S seconds, with a pause after the read probe's; medians of per-round ratios):
 
 - ragged prefill: packed sequences of RAGGED_LENS tokens, H heads, d, causal. fastattn's
   `varlen_attention` against torch's SDPA on the batch padded to the longest sequence with a
@@ -27,9 +28,10 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 
 import numpy as np
+
+from .latency import SETTLE_S, _interleaved as _batches_interleaved
 
 RAGGED_LENS = (4096, 1024, 256, 17)
 RAGGED = dict(H=8, d=64)
@@ -38,18 +40,14 @@ APPEND = dict(B=8, Hkv=8, d=128, capacities=(1024, 16384), held=16)
 PROBE = "read probe (gemv)"
 
 
-def _interleaved(fns: dict, rounds: int) -> dict:
-    """{name: [seconds per call, one per round]}; the order alternates every round."""
-    for f in fns.values():                            # warm-up (also numba's compile)
-        f()
-    times = {k: [] for k in fns}
-    for r in range(rounds):
-        order = list(fns.items()) if r % 2 == 0 else list(fns.items())[::-1]
-        for name, f in order:
-            t = time.perf_counter()
-            f()
-            times[name].append(time.perf_counter() - t)
-    return times
+# seconds of calls per callable and round (the plumbing test's small run: one call)
+BATCH_S = 0.1
+
+
+def _interleaved(fns: dict, rounds: int, batch_s: float) -> dict:
+    """{name: [seconds per call, one per round]}: batches of about batch_s, the order
+    alternating every round, a pause after the read probe's (the latency preset's timing)."""
+    return _batches_interleaved(fns, rounds, batch_s, probe=PROBE)
 
 
 def _sig(x: float) -> float:
@@ -67,7 +65,8 @@ def _ms(times: dict) -> dict:
     return {k: _sig(statistics.median(v) * 1e3) for k, v in times.items()}
 
 
-def ragged_prefill(torch, rounds: int, lens=RAGGED_LENS, H=None, d=None) -> dict:
+def ragged_prefill(torch, rounds: int, lens=RAGGED_LENS, H=None, d=None,
+                   batch_s=BATCH_S) -> dict:
     import fastattn as fa
 
     H = RAGGED["H"] if H is None else H
@@ -95,7 +94,7 @@ def ragged_prefill(torch, rounds: int, lens=RAGGED_LENS, H=None, d=None) -> dict
         tm = torch.from_numpy(keep[:, None])
         sdpa = torch.nn.functional.scaled_dot_product_attention
         fns["torch padded + mask"] = lambda: sdpa(tq, tk, tv, attn_mask=tm)
-    times = _interleaved(fns, rounds)
+    times = _interleaved(fns, rounds, batch_s)
     rec = {"row": f"ragged prefill, lengths {tuple(lens)}, H={H}, d={d}, causal",
            "ms": _ms(times),
            "varlen_vs_one_by_one": _ratio(times, "fastattn varlen", "fastattn one by one")}
@@ -110,7 +109,7 @@ def decode_lengths(B: int, lo: int, hi: int) -> np.ndarray:
 
 
 def ragged_decode(torch, rounds: int, B=None, lo=None, hi=None, Hq=None, Hkv=None, d=None,
-                  page=None) -> dict:
+                  page=None, batch_s=BATCH_S) -> dict:
     import fastattn as fa
 
     c = dict(DECODE)
@@ -159,7 +158,7 @@ def ragged_decode(torch, rounds: int, B=None, lo=None, hi=None, Hq=None, Hkv=Non
     probe_m = np.ones((max(1, int(need) // (4 * cols)), cols), np.float32)
     probe_x = np.ones(cols, np.float32)
     fns[PROBE] = lambda: probe_m @ probe_x
-    times = _interleaved(fns, rounds)
+    times = _interleaved(fns, rounds, batch_s)
     bw = probe_m.nbytes / statistics.median(times[PROBE])
     rec = {"row": f"decode, B={B}, lengths {lens.tolist()}, Hq={Hq}, Hkv={Hkv}, d={d}, "
                   f"page {page}", "ms": _ms(times), "bytes_needed": need,
@@ -178,7 +177,8 @@ def ragged_decode(torch, rounds: int, B=None, lo=None, hi=None, Hq=None, Hkv=Non
     return rec
 
 
-def append_cost(rounds: int, B=None, Hkv=None, d=None, capacities=None, held=None) -> dict:
+def append_cost(rounds: int, B=None, Hkv=None, d=None, capacities=None, held=None,
+                batch_s=BATCH_S) -> dict:
     """One token appended (and attended by one query head per KV head, over `held` keys) in
     caches of each capacity: the time should not grow with the capacity."""
     import fastattn as fa
@@ -196,7 +196,7 @@ def append_cost(rounds: int, B=None, Hkv=None, d=None, capacities=None, held=Non
         vc = np.zeros((B, cap, Hkv, d), np.float32)
         fns[f"capacity {cap}"] = (lambda kc=kc, vc=vc: fa.attention_with_kvcache(
             q, kc, vc, k, v, cache_seqlens=lens))
-    times = _interleaved(fns, rounds)
+    times = _interleaved(fns, rounds, batch_s)
     names = list(fns)
     return {"row": f"append 1 token + attend {held} keys, B={B}, Hkv={Hkv}, d={d}, "
                    f"capacities {tuple(c['capacities'])}", "ms": _ms(times),
@@ -216,9 +216,11 @@ def run(threads: int, rounds: int = 7, small: bool = False) -> dict:
     meta.update(preset="inference", rounds=rounds,
                 omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "unset"))
     if small:                                         # the plumbing test's sizes
-        records = [ragged_prefill(torch, rounds, lens=(40, 9, 1), H=2, d=8),
-                   ragged_decode(torch, rounds, B=3, lo=8, hi=70, Hq=4, Hkv=2, d=8, page=16),
-                   append_cost(rounds, B=2, Hkv=2, d=8, capacities=(32, 256), held=4)]
+        records = [ragged_prefill(torch, rounds, lens=(40, 9, 1), H=2, d=8, batch_s=0),
+                   ragged_decode(torch, rounds, B=3, lo=8, hi=70, Hq=4, Hkv=2, d=8, page=16,
+                                 batch_s=0),
+                   append_cost(rounds, B=2, Hkv=2, d=8, capacities=(32, 256), held=4,
+                               batch_s=0)]
     else:
         records = [ragged_prefill(torch, rounds), ragged_decode(torch, rounds),
                    append_cost(rounds)]
@@ -232,8 +234,10 @@ def markdown(data: dict) -> str:
         f"Inference preset (`python -m fastattn.bench --preset inference`), {m['date']}"
         + (f", fastattn commit {m['fastattn_commit']}" if m.get("fastattn_commit") else "")
         + f"; {m['cpu']}, **{m['threads']} threads**; torch {m['versions'].get('torch')}; "
-        f"float32, auto backend; interleaved in one process, {m['rounds']} rounds, medians "
-        f"(ratios: medians of per-round ratios). Load average start/end "
+        f"float32, auto backend; interleaved in one process, {m['rounds']} rounds of batches "
+        f"of about {BATCH_S} s per callable ({SETTLE_S} s of pause after the read probe's, "
+        f"whose OpenBLAS threads spin), medians (ratios: medians of per-round ratios). "
+        f"Load average start/end "
         f"{m.get('load_average_start')} / {m.get('load_average_end')}; "
         f"OMP_WAIT_POLICY={m.get('omp_wait_policy')}.",
         "",

@@ -110,28 +110,31 @@ PROBE = "read probe"
 SETTLE_S = 0.2
 
 
-def _interleaved(fns: dict, rounds: int, target_s: float) -> dict:
-    """{name: [seconds per call per round]}: the callables alternate batch by batch; after a
-    batch of the read probe (PROBE), SETTLE_S of pause."""
+def _interleaved(fns: dict, rounds: int, target_s: float, probe: str = PROBE) -> dict:
+    """{name: [seconds per call per round]}: the callables alternate batch by batch, each batch
+    about target_s long (its own call count: a 20 ms decode timed once per round against a
+    0.4 s torch call was mostly noise); after a batch of the read probe, SETTLE_S of pause."""
     for f in fns.values():                            # warm-up (also numba's compile)
         f()
         f()
-    if PROBE in fns:
-        time.sleep(SETTLE_S)
-    t = time.perf_counter()
-    for f in fns.values():
+    n = {}
+    for name, f in fns.items():
+        if name == probe:
+            time.sleep(SETTLE_S)
+        t = time.perf_counter()
         f()
-    per_call = max((time.perf_counter() - t) / len(fns), 1e-7)
-    n = max(1, min(2000, int(target_s / per_call)))
+        n[name] = max(1, min(2000, int(target_s / max(time.perf_counter() - t, 1e-7))))
+    if probe in fns:
+        time.sleep(SETTLE_S)
     times = {k: [] for k in fns}
     for r in range(rounds):
         order = list(fns.items()) if r % 2 == 0 else list(fns.items())[::-1]
         for name, f in order:
             t = time.perf_counter()
-            for _ in range(n):
+            for _ in range(n[name]):
                 f()
-            times[name].append((time.perf_counter() - t) / n)
-            if name == PROBE:
+            times[name].append((time.perf_counter() - t) / n[name])
+            if name == probe:
                 time.sleep(SETTLE_S)
     return times
 
