@@ -39,11 +39,11 @@ cdef enum:
     DEC_RCAP = 192                   # lanes per item (query rows of one KV group)
     DEC_MIN_CHUNK = 1024             # do not split keys finer than this
     DEC_HG_BK = 32                   # keys per block of dec_heads_group (AVX-512 kernels)
-    # ... with the AVX2 kernel (fa_decode_avx2.h), and no software prefetch there: on a Zen 3
-    # guest (512 KiB L2, 32 KiB 8-way L1) a kv head's rows of a flash-layout cache lie
-    # Hkv * d * 4 bytes apart (4 KiB at 8 x 128: one L1 set), and the inference preset's
-    # ragged GQA decode (8 x 128, B = 8) read 4.9 GB/s at 32 keys with prefetch, 9.1-9.4 at
-    # 8 keys without (4: 7.2-8.5, 16: 6.0; 8 keys with prefetch: 5.5-5.8)
+    # ... with the AVX2 kernel (fa_decode_avx2.h): on a Zen 3 guest (512 KiB L2, 32 KiB 8-way
+    # L1) a kv head's rows of a flash-layout cache lie Hkv * d * 4 bytes apart (4 KiB at
+    # 8 x 128: one L1 set), and the inference preset's ragged GQA decode (8 x 128, B = 8) read
+    # 4.9 GB/s at 32 keys with prefetch, 9.1-9.4 at 8 keys without (4: 7.2-8.5, 16: 6.0).
+    # That run had it off at 8 keys too (5.5-5.8 with it); see dec1_prefetch for why it is on.
     DEC_HG_BK_AVX2 = 8
 
 
@@ -198,11 +198,17 @@ cdef enum:
     DEC1_PREFETCH_BYTES = 8 << 20
 
 
+# The AVX2 kernel's heads-group walk (DEC_HG_BK_AVX2) takes the same rule.  It had the
+# prefetch off, from a Zen 3 measurement (above DEC_HG_BK_AVX2) of an older kernel that
+# prefetched the next block's V rows in one burst in its first P·V panel and timed one call
+# per round next to OpenBLAS's spinning probe.  With V prefetched along with K through the
+# scores (fa_decode_avx2.h), on a Zen 4 guest without AVX-512 (1 MiB L2) the inference
+# preset's ragged decode took 0.76x the time with it on 2 threads (57% -> 75% of the gemv
+# probe interleaved, batches of 4 calls) and 0.81x on one; a block further ahead (16, 32
+# keys) was no better.  Not remeasured on a Zen 3.
 cdef inline int dec1_prefetch(AttnProblem *p) noexcept nogil:
     if p.tune.dec_pf_kind >= 0:
         return p.tune.dec_pf_kind
-    if kv_heads_interleaved(p) and not fa_decode1_available():
-        return 0                     # the AVX2 kernel's heads-group walk (DEC_HG_BK_AVX2)
     return 2 if (<int64_t>p.B * p.Hkv * p.S * (p.E + p.Ev) * <int64_t>sizeof(float)
                  > DEC1_PREFETCH_BYTES) else 0
 
@@ -407,7 +413,7 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
     if heads and group:
         # dec_heads_group's blocks: all kv heads' rows of DEC_HG_BK keys (Hkv x 32 KB at d =
         # 128), then the next; a block ahead is prefetched (dec1_prefetch).  The AVX2 kernel:
-        # DEC_HG_BK_AVX2 keys and no prefetch
+        # DEC_HG_BK_AVX2 keys
         if p.tune.dec_bk_set:
             p.Bk = p.tune.dec_bk
         else:
