@@ -32,8 +32,9 @@
 /* Pin a loaded vector in a register.  Inlined into the big per-R block function, GCC folded
  * the V loads of the P·V loop (and the q loads of the scores) into the FMAs as memory
  * operands, re-reading each vector once per row: 12 loads per 8 FMAs instead of 6, and the
- * load ports, not the FMAs, set the pace (P·V of R = 4, d = 128: 20 ns a key inlined against
- * 12 as a separate function, Zen 4 guest).  An empty asm that "changes" the value stops it. */
+ * load ports, not the FMAs, set the pace (P·V of R = 4, d = 128: ~20 ns a key inlined, by the
+ * profile's share, against 12 as a separate function, Zen 4 guest).  An empty asm that
+ * "changes" the value stops it: the whole kernel went from 38.8 to 36.9 ns a key in L1. */
 #define FA_D2_KEEP(x) __asm__("" : "+x"(x))
 
 /* lane i of the result = the sum of acc[i]'s 8 lanes */
@@ -88,8 +89,9 @@ FA_D2_INL __m256 fa_d2_scores8_(const float *q, ptrdiff_t E, const float *K, ptr
  * prefetch left to the first P·V panel (an eighth of the P·V time at R = 4, d = 128) one
  * thread read a DRAM-resident cache at 9-10 GB/s against 13-16 with it here (C harness over
  * fa_decodeg_f_avx2, 64 MB K and V, Zen 4 guest, prefetch one block ahead); spreading it over
- * all panels instead gained nothing.  Through the library: 0.82-0.92x the time of GQA 32/8
- * d = 128 S = 16384 and 0.85x of 8/2 d = 64 S = 65536 (bench's A/B of two trees). */
+ * all panels instead gained nothing.  Through the library (two trees interleaved in one
+ * process, 1 and 2 threads): 0.70-0.90x the time of GQA 32/8 and 24/8 d = 128 S = 16384,
+ * 0.81-0.98x of 8/2 d = 64 S = 65536. */
 FA_D2_INL void fa_d2_scores_rows_(const int RP, const float *q, ptrdiff_t ldq, int R,
                                   ptrdiff_t E, const float *K, ptrdiff_t ldk, ptrdiff_t nb,
                                   float scale, float *S, const float *Kpf, ptrdiff_t nn, int kind,
