@@ -8,29 +8,23 @@ times up to 10 calls in it: right for peak memory and for keeping one library's 
 the other's, but on a shared 2-core guest its ratios move by +-30% from one run to the next
 (fwd d=64 causal L=256 took 0.57 to 1.01 ms in four fresh processes within a minute). Here the
 same calls (fastattn.bench.impls.make_call) alternate in batches of about --batch-s seconds,
-in a shuffled order each round, and the ratio is the median of the per-round ratios: the two
+in alternating order (the latency preset's timing loop), and the ratio is the median of the
+per-round ratios: the two
 libraries see the same load. Both run with the same thread count (torch.set_num_threads, and
 fastattn's default: the usable CPUs).
 """
 from __future__ import annotations
 
 import argparse
-import random
+import os
 import statistics
 import sys
-import time
-
-
-def _batch(f, n: int) -> float:
-    t = time.perf_counter()
-    for _ in range(n):
-        f()
-    return (time.perf_counter() - t) / n
 
 
 def main(argv=None) -> int:
     from fastattn.bench import cases as C
     from fastattn.bench.impls import TORCH, make_call
+    from fastattn.bench.latency import _interleaved
     from fastattn.bench.machine import load_average
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -40,8 +34,6 @@ def main(argv=None) -> int:
     ap.add_argument("--sweeps", nargs="*", help="only sweeps whose name contains one of these")
     ap.add_argument("--batch-s", type=float, default=0.3)
     args = ap.parse_args(argv)
-    import os
-
     import torch
 
     threads = len(os.sched_getaffinity(0))
@@ -54,16 +46,7 @@ def main(argv=None) -> int:
     print(f"{'case':42s} {'fastattn ms':>11s} {'torch ms':>9s}  time / torch's (q1, q3)")
     for case in rows:
         fns = {args.impl: make_call(args.impl, case, threads), TORCH: make_call(TORCH, case, threads)}
-        n = {}
-        for name, f in fns.items():
-            f()                                       # warm-up: pools, JIT
-            n[name] = max(1, int(args.batch_s / max(_batch(f, 1), 1e-7)))
-        times = {name: [] for name in fns}
-        for _ in range(args.rounds):
-            order = list(fns)
-            random.shuffle(order)
-            for name in order:
-                times[name].append(_batch(fns[name], n[name]))
+        times = _interleaved(fns, args.rounds, args.batch_s)
         ratios = [a / b for a, b in zip(times[args.impl], times[TORCH])]
         q1, _, q3 = statistics.quantiles(ratios, n=4)
         print(f"{case.name:42s} {statistics.median(times[args.impl]) * 1e3:11.2f} "

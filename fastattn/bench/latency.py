@@ -117,15 +117,15 @@ def _interleaved(fns: dict, rounds: int, target_s: float, probe: str = PROBE) ->
     for f in fns.values():                            # warm-up (also numba's compile)
         f()
         f()
+    if probe in fns:
+        time.sleep(SETTLE_S)
     n = {}
-    for name, f in fns.items():
-        if name == probe:
-            time.sleep(SETTLE_S)
+    for name, f in fns.items():                       # each callable's batch size
         t = time.perf_counter()
         f()
         n[name] = max(1, min(2000, int(target_s / max(time.perf_counter() - t, 1e-7))))
-    if probe in fns:
-        time.sleep(SETTLE_S)
+        if name == probe:
+            time.sleep(SETTLE_S)
     times = {k: [] for k in fns}
     for r in range(rounds):
         order = list(fns.items()) if r % 2 == 0 else list(fns.items())[::-1]
