@@ -51,12 +51,17 @@ def l2_bytes_per_core(default: int = 1 << 20,
 
 class CythonBackend(CompiledBackend):
     name = "cython"
-    # Below ~1 MiB of K/V (GPT-2-small decode up to ~170 keys) one thread finishes before a
-    # woken pool thread has started: measured in bench/results/latency.md (MHA decode rows,
-    # Zen 4, 1 MiB L2 per core).  Not above one core's L2, though: on a Zen 3 guest (512 KiB
-    # L2) the 786 KB of S = 128 then came from L3 on one thread, and two threads, each with
-    # its half in its own L2, took 0.75-0.8x torch's time against 0.8-0.86x on one.
-    serial_decode_bytes = min(1 << 20, l2_bytes_per_core())
+    # Decode reading less than 128 KiB of K/V runs on the calling thread: there (GPT-2-small
+    # decode up to ~20 keys, a tiny call) a second thread saves less than its wake-up costs.
+    # The bound was 1 MiB (one core's L2), from Zen 4 runs on a loaded host, where a woken
+    # pool thread could wait for a core.  On a quiet Zen 4 guest without AVX-512 (1 MiB L2),
+    # each bound in its own process interleaved with torch, two runs (time vs torch, 12 heads
+    # d = 64): S = 128 (768 KB) 0.66 and 0.79 at 1 MiB, 0.53-0.67 in four runs at 128 KiB;
+    # S = 64 0.82/0.97 -> 0.77-0.85; the latency preset's decode loops 0.56-0.65 -> 0.51-0.61
+    # (views) and 0.51-0.61 -> 0.44-0.49 (window); 96 KB (S = 16) took 9 us on one thread and
+    # 10-10.5 on two (a 64 KiB bound).  Not above one core's L2 on a machine whose L2 is
+    # smaller.
+    serial_decode_bytes = min(128 << 10, l2_bytes_per_core())
     # a KV cache read in place: forward and decode read it (csrc/forward.pxi attend_rows)
     unsupported_backward_options = {
         "kv_strides": "cython's backward reads k/v C-contiguous only",
