@@ -668,6 +668,43 @@ def test_kvcache_reorder_trim_reset(rng):
         cache.reorder(np.array([0, 1, 3]))
 
 
+@pytest.mark.parametrize("page_size", [None, 256])
+def test_a_large_kvcache_holds_k_and_v_in_one_buffer_half_a_huge_page_apart(rng, page_size):
+    """Above 2 MiB the cache's K and V are views of one buffer, V starting 1 MiB off K's
+    offset within 2 MiB pages (fastattn/nn.py: with two arrays of one size the decode ran
+    slower).  The views must behave as two arrays: appends, reorder and attention see each
+    sequence's own tokens, and nothing is written across the gap."""
+    B, Hq, Hkv, E = 2, 4, 2, 64                      # 4 MiB of keys, 4 MiB of values
+    cache = fa.KVCache(B, 4096, Hkv, E, np.float32, page_size=page_size)
+    assert not np.shares_memory(cache.k, cache.v)
+    assert (cache.v.ctypes.data - cache.k.ctypes.data) % (2 << 20) == 1 << 20
+    assert cache.k.base is cache.v.base
+    buf = cache.k.base
+    q = rng.standard_normal((B, 1, Hq, E)).astype(np.float32)
+    k = rng.standard_normal((B, 6, Hkv, E)).astype(np.float32)
+    v = rng.standard_normal((B, 6, Hkv, E)).astype(np.float32)
+    got = cache.attend(q, k, v)
+    seq_k = cache.k.reshape(B, -1, Hkv, E)
+    seq_v = cache.v.reshape(B, -1, Hkv, E)
+    np.testing.assert_array_equal(seq_k[:, :6], k)
+    np.testing.assert_array_equal(seq_v[:, :6], v)
+    # everything else in the buffer, the gap included, is still zero
+    assert np.count_nonzero(buf) == np.count_nonzero(k) + np.count_nonzero(v)
+    for b in range(B):
+        want, _ = dense(q[b].astype(np.float64), k[b].astype(np.float64),
+                        v[b].astype(np.float64), causal=True)
+        np.testing.assert_allclose(got[b], want, rtol=2e-5, atol=2e-6)
+    cache.reorder(np.array([1, 1]))
+    np.testing.assert_array_equal(seq_k[:, :6], k[[1, 1]])
+    np.testing.assert_array_equal(seq_v[:, :6], v[[1, 1]])
+    np.testing.assert_array_equal(cache.attend(q[[1, 1]]), got[[1, 1]])
+
+
+def test_a_small_kvcache_has_two_arrays():
+    cache = fa.KVCache(2, 64, 2, 16, np.float32)
+    assert cache.k.base is None and cache.v.base is None
+
+
 def test_kvcache_and_varlen_pass_sinks_through(backend, rng):
     missing = getattr(fa._backends.registry[backend], "unsupported_options", {})
     if "sinks" in missing:
