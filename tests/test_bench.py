@@ -208,8 +208,9 @@ def test_latency_preset_plumbing(tmp_path, monkeypatch):
 
 
 def test_inference_preset_plumbing(tmp_path, monkeypatch):
-    """--preset inference end to end at tiny sizes: the ragged prefill, decode (contiguous and
-    paged) and append rows, each implementation's time, the ratios and the bandwidth shares."""
+    """--preset inference end to end at tiny sizes: the ragged prefill, decode (contiguous,
+    paged and KVCache) and append rows, each implementation's time, the ratios and the
+    bandwidth shares."""
     from fastattn.bench import kvcache
 
     monkeypatch.setattr(kvcache, "run", lambda threads, rounds, small=False, _run=kvcache.run:
@@ -222,10 +223,11 @@ def test_inference_preset_plumbing(tmp_path, monkeypatch):
     has_torch = "torch padded + mask" in prefill["ms"]
     assert set(prefill["ms"]) >= {"fastattn varlen", "fastattn one by one"}
     assert prefill["varlen_vs_one_by_one"] > 0 and ("torch_vs_varlen" in prefill) == has_torch
-    assert set(decode["ms"]) >= {"fastattn contiguous", "fastattn paged"}
-    for name in ("fastattn contiguous", "fastattn paged"):
+    assert set(decode["ms"]) >= {"fastattn contiguous", "fastattn paged", "fastattn KVCache"}
+    for name in ("fastattn contiguous", "fastattn paged", "fastattn KVCache"):
         assert decode[name]["gbytes_per_s"] > 0 and decode[name]["of_read_bandwidth"] > 0
     assert ("torch_vs_paged" in decode) == has_torch and decode["read_bandwidth_gbytes_per_s"] > 0
+    assert ("torch_vs_KVCache" in decode) == has_torch
     assert append["largest_vs_smallest"] > 0 and len(append["ms"]) == 2
     text = (tmp_path / "inference.md").read_text()
     assert "ragged prefill" in text and "% of read bandwidth" in text and "capacity" in text

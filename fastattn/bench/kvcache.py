@@ -12,8 +12,9 @@ about BATCH_S seconds, with a pause after the read probe's; medians of per-round
   `fa.scaled_dot_product_attention`;
 - decode: DECODE_B sequences whose cache lengths are spread geometrically over DECODE_LENS,
   Hq/Hkv, d, one query token each, float32. fastattn's `attention_with_kvcache` on a
-  contiguous flash-layout cache (B, S_max, Hkv, d) and on a paged one (pages of PAGE tokens,
-  shuffled in a pool), against torch's SDPA on the padded (B, Hkv, S_max, d) cache with a key
+  contiguous flash-layout cache (B, S_max, Hkv, d) of two np.zeros arrays, on a paged one
+  (pages of PAGE tokens, shuffled in a pool), and `fa.KVCache.attend` on the library's own
+  contiguous cache (its K and V in one buffer, fastattn/nn.py), against torch's SDPA on the padded (B, Hkv, S_max, d) cache with a key
   padding mask. Each is also given as GB/s of the bytes it must read (the keys and values of
   the real tokens; torch reads the padding too) and as a fraction of the machine's read
   bandwidth for as many bytes, measured in the same rounds: a float32 matrix-vector product
@@ -141,10 +142,15 @@ def ragged_decode(torch, rounds: int, B=None, lo=None, hi=None, Hq=None, Hkv=Non
             part = slice(i * page, min(int(lens[b]), (i + 1) * page))
             kp[pg, :part.stop - part.start] = kc[b, part]
             vp[pg, :part.stop - part.start] = vc[b, part]
+    own = fa.KVCache(B, S_max, Hkv, d)               # the library's own contiguous cache
+    own.k[...] = kc
+    own.v[...] = vc
+    own.seqlens[:] = lens
     fns = {
         "fastattn contiguous": lambda: fa.attention_with_kvcache(q, kc, vc, cache_seqlens=lens),
         "fastattn paged": lambda: fa.attention_with_kvcache(q, kp, vp, cache_seqlens=lens,
                                                             block_table=table),
+        "fastattn KVCache": lambda: own.attend(q),
     }
     if torch is not None:
         tq = torch.from_numpy(np.ascontiguousarray(q.transpose(0, 2, 1, 3)))
@@ -172,7 +178,7 @@ def ragged_decode(torch, rounds: int, B=None, lo=None, hi=None, Hq=None, Hkv=Non
         rec[name] = {"gbytes_per_s": _sig(need / statistics.median(ts) / 1e9),
                      "of_read_bandwidth": _sig(share)}
     if torch is not None:
-        for name in ("fastattn contiguous", "fastattn paged"):
+        for name in ("fastattn contiguous", "fastattn paged", "fastattn KVCache"):
             rec[f"torch_vs_{name.split()[1]}"] = _ratio(times, "torch padded + mask", name)
     return rec
 
@@ -249,13 +255,15 @@ def markdown(data: dict) -> str:
         ratios = []
         if "varlen_vs_one_by_one" in r:
             ratios.append(f"varlen / one by one {r['varlen_vs_one_by_one']:.2f}")
-        for key in ("torch_vs_varlen", "torch_vs_contiguous", "torch_vs_paged"):
+        for key in ("torch_vs_varlen", "torch_vs_contiguous", "torch_vs_paged",
+                    "torch_vs_KVCache"):
             if key in r:
                 ratios.append(f"torch / fastattn {key.split('_')[-1]} {r[key]:.2f}")
         if "read_bandwidth_gbytes_per_s" in r:
             ratios.append(f"read bandwidth (gemv over the same bytes) "
                           f"{r['read_bandwidth_gbytes_per_s']:.1f} GB/s")
-        for name in ("fastattn contiguous", "fastattn paged", "torch padded + mask"):
+        for name in ("fastattn contiguous", "fastattn paged", "fastattn KVCache",
+                     "torch padded + mask"):
             if name in r and "gbytes_per_s" in r[name]:
                 ratios.append(f"{name}: {r[name]['gbytes_per_s']:.1f} GB/s of the needed bytes "
                               f"= {100 * r[name]['of_read_bandwidth']:.0f}% of read bandwidth")
