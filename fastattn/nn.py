@@ -31,13 +31,14 @@ def _size(x, name: str, positive: bool = True) -> int:
 
 
 # Linux backs large NumPy arrays with 2 MiB pages (NumPy asks for them), and two arrays of one
-# size allocated one after the other start at the same offset within their pages (4 KiB
-# apart): key j and value j then share the low 21 address bits, where the memory controller
-# picks bank and channel, and a decode streaming both at once ran slower.  Measured on a
-# Zen 4 guest: B = 8 caches of 16384 x 8 heads x 128 (512 MB each), lengths 512..16384,
-# 32/8 heads, two threads: with K and V 0 or 4 KiB apart modulo 2 MiB, 1.05-1.09x the time of
-# two np.zeros arrays (themselves 4 KiB apart); 64 KiB apart 0.96x; 516, 1028 and 1536 KiB
-# apart 0.91-0.92x (paged caches of the bench, whose pages are far apart, ran at the latter).
+# size allocated one after the other start at nearly the same offset within their pages (4 KiB
+# apart): key j and value j then share most of their low 21 address bits, physical ones
+# included, and a decode streaming both at once ran slower (bank or cache-set conflicts, we
+# guess; not pinned down).  Measured on a Zen 4 guest: B = 8 caches of 16384 x 8 heads x 128
+# (512 MB each), lengths 512..16384, 32/8 heads, two threads, against two np.zeros arrays (V
+# 4 KiB below K modulo 2 MiB): V 0 or 4 KiB above K 1.05-1.09x the time; 64 KiB 0.96x; 516,
+# 1028 and 1536 KiB 0.91-0.92x.  (The bench's shuffled paged pool, whose K and V pages are
+# also 4 KiB apart modulo 2 MiB, read at the faster rate: the rule is empirical.)
 _HUGE_PAGE = 2 << 20
 
 
@@ -59,6 +60,7 @@ class KVCache:
     page_size=None: contiguous arrays (batch, max_len, kv_heads, head_dim). With a page size, a
     paged cache (batch * pages_per_seq, page_size, kv_heads, head_dim) and its int32
     block_table (batch, pages_per_seq) (sequence b owns pages b * pages_per_seq ...).
+    Above 2 MiB, k and v are views of one buffer (_key_value_arrays).
     value_dim defaults to head_dim. `seqlens` (int32, (batch,)) counts the tokens held.
     """
 

@@ -14,13 +14,14 @@ about BATCH_S seconds, with a pause after the read probe's; medians of per-round
   Hq/Hkv, d, one query token each, float32. fastattn's `attention_with_kvcache` on a
   contiguous flash-layout cache (B, S_max, Hkv, d) of two np.zeros arrays, on a paged one
   (pages of PAGE tokens, shuffled in a pool), and `fa.KVCache.attend` on the library's own
-  contiguous cache (its K and V in one buffer, fastattn/nn.py), against torch's SDPA on the padded (B, Hkv, S_max, d) cache with a key
-  padding mask. Each is also given as GB/s of the bytes it must read (the keys and values of
-  the real tokens; torch reads the padding too) and as a fraction of the machine's read
-  bandwidth for as many bytes, measured in the same rounds: a float32 matrix-vector product
-  through NumPy's BLAS over a matrix of exactly the bytes the decode must read, one more
-  callable of the interleaving (so it sees the same load; with a last-level cache that can
-  hold the working set, the cache is part of "the machine's read bandwidth" for both);
+  contiguous cache (its K and V in one buffer, fastattn/nn.py), against torch's SDPA on the
+  padded (B, Hkv, S_max, d) cache with a key padding mask. Each is also given as GB/s of the
+  bytes it must read (the keys and values of the real tokens; torch reads the padding too) and
+  as a fraction of the machine's read bandwidth for as many bytes, measured in the same rounds:
+  a float32 matrix-vector product through NumPy's BLAS over a matrix of exactly the bytes the
+  decode must read, one more callable of the interleaving (so it sees the same load; with a
+  last-level cache that can hold the working set, the cache is part of "the machine's read
+  bandwidth" for both);
 - append: one new token written into caches of two capacities with the same short lengths:
   a cost that does not grow with the capacity shows that the cache is not copied.
 """
