@@ -9,8 +9,7 @@ the other's, but on a shared 2-core guest its ratios move by +-30% from one run 
 (fwd d=64 causal L=256 took 0.57 to 1.01 ms in four fresh processes within a minute). Here the
 same calls (fastattn.bench.impls.make_call) alternate in batches of about --batch-s seconds,
 in alternating order (the latency preset's timing loop), and the ratio is the median of the
-per-round ratios: the two
-libraries see the same load. Both run with the same thread count (torch.set_num_threads, and
+per-round ratios: the two libraries see the same load. Both run with the same thread count (torch.set_num_threads, and
 fastattn's default: the usable CPUs).
 """
 from __future__ import annotations
@@ -45,7 +44,8 @@ def main(argv=None) -> int:
           f"{load_average()}")
     print(f"{'case':42s} {'fastattn ms':>11s} {'torch ms':>9s}  time / torch's (q1, q3)")
     for case in rows:
-        fns = {args.impl: make_call(args.impl, case, threads), TORCH: make_call(TORCH, case, threads)}
+        fns = {args.impl: make_call(args.impl, case, threads),
+               TORCH: make_call(TORCH, case, threads)}
         times = _interleaved(fns, args.rounds, args.batch_s)
         ratios = [a / b for a, b in zip(times[args.impl], times[TORCH])]
         q1, _, q3 = statistics.quantiles(ratios, n=4)

@@ -45,13 +45,14 @@ _HUGE_PAGE = 2 << 20
 def _key_value_arrays(kshape, vshape, dtype):
     """Zeroed K and V arrays; above a huge page, views of one buffer in which V starts half a
     huge page (1 MiB) away from K's offset within a page."""
-    kn = int(np.prod(kshape)) * dtype.itemsize
+    kcount = int(np.prod(kshape))
+    kn = kcount * dtype.itemsize
     if kn < _HUGE_PAGE:
         return np.zeros(kshape, dtype), np.zeros(vshape, dtype)
     gap = (-kn) % _HUGE_PAGE + _HUGE_PAGE // 2          # a multiple of the itemsize
     start = (kn + gap) // dtype.itemsize
     buf = np.zeros(start + int(np.prod(vshape)), dtype)
-    return buf[:int(np.prod(kshape))].reshape(kshape), buf[start:].reshape(vshape)
+    return buf[:kcount].reshape(kshape), buf[start:].reshape(vshape)
 
 
 class KVCache:
