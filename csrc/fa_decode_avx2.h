@@ -85,17 +85,17 @@ FA_D2_INL __m256 fa_d2_scores8_(const float *q, ptrdiff_t E, const float *K, ptr
  * of 8/RP keys x RP rows fill the 8 accumulators, so each K row is loaded once for all the
  * rows (row by row, a GQA block's K rows were read R times, from L2 once the block's K and V
  * outgrew L1).  Rows past R repeat row R - 1 and are dropped.  Meanwhile rows [0, nn) of Kpf
- * and of Vpf are prefetched (kind), a key group at a time: V's too, because with V's
- * prefetch left to the first P·V panel (an eighth of the P·V time at R = 4, d = 128) one
- * thread read a DRAM-resident cache at 9-10 GB/s against 13-16 with it here (C harness over
- * fa_decodeg_f_avx2, 64 MB K and V, Zen 4 guest, prefetch one block ahead); spreading it over
- * all panels instead gained nothing.  Through the library (two trees interleaved in one
- * process, 1 and 2 threads): 0.70-0.90x the time of GQA 32/8 and 24/8 d = 128 S = 16384,
- * 0.81-0.98x of 8/2 d = 64 S = 65536. */
+ * and (Evpf > 0) of Vpf are prefetched (kind), a key group at a time: V's too in a call of
+ * one block, because with V's prefetch left to the first P·V panel (an eighth of the P·V time
+ * at R = 4, d = 128) one thread read a DRAM-resident cache at 9-10 GB/s against 13-16 with it
+ * here (C harness over fa_decodeg_f_avx2, 64 MB K and V, Zen 4 guest, prefetch one block
+ * ahead).  Through the library (two trees interleaved in one process, 1 and 2 threads):
+ * 0.70-0.90x the time of GQA 32/8 and 24/8 d = 128 S = 16384, 0.81-0.98x of 8/2 d = 64
+ * S = 65536.  (Longer calls now spread V's prefetch over P·V instead: fa_d2_pv_cols_.) */
 FA_D2_INL void fa_d2_scores_rows_(const int RP, const float *q, ptrdiff_t ldq, int R,
                                   ptrdiff_t E, const float *K, ptrdiff_t ldk, ptrdiff_t nb,
                                   float scale, float *S, const float *Kpf, ptrdiff_t nn, int kind,
-                                  const float *Vpf, ptrdiff_t ldv, ptrdiff_t Ev)
+                                  const float *Vpf, ptrdiff_t ldv, ptrdiff_t Evpf)
 {
     const int KG = 8 / RP;
     const float *qr[4];
@@ -103,7 +103,7 @@ FA_D2_INL void fa_d2_scores_rows_(const int RP, const float *q, ptrdiff_t ldq, i
     for (ptrdiff_t j0 = 0; j0 < nb; j0 += KG) {
         if (j0 < nn) {
             fa_d1_prefetch_(Kpf, ldk, E, j0, j0 + KG < nn ? j0 + KG : nn, kind);
-            fa_d1_prefetch_(Vpf, ldv, Ev, j0, j0 + KG < nn ? j0 + KG : nn, kind);
+            fa_d1_prefetch_(Vpf, ldv, Evpf, j0, j0 + KG < nn ? j0 + KG : nn, kind);
         }
         const float *kr[4];
         for (int kk = 0; kk < KG; kk++) kr[kk] = K + (j0 + kk < nb ? j0 + kk : nb - 1) * ldk;
@@ -128,12 +128,37 @@ FA_D2_INL void fa_d2_scores_rows_(const int RP, const float *q, ptrdiff_t ldq, i
     }
 }
 
+/* vectors per P·V column panel for R rows: R x NV accumulators + NV row vectors + one
+ * broadcast fit the 16 ymm registers */
+FA_D2_INL int fa_d2_nvmax_(int R) { return R == 1 ? 8 : R == 2 ? 4 : R <= 4 ? 2 : 1; }
+
+/* The next block's V rows to prefetch during P·V, in address order within each row: row,
+ * line within the row, lines per row, rows left, lines per key step (fa_d2_pv_cols_). */
+typedef struct {
+    const float *row;
+    ptrdiff_t ld, line, lines, rows_left;
+    int per_step, kind;
+} fa_d2_vpf_;
+
+FA_D2_INL void fa_d2_vpf_step_(fa_d2_vpf_ *c)
+{
+    for (int u = 0; u < c->per_step && c->rows_left > 0; u++) {
+        fa_prefetch(c->row + c->line * 16, 64, c->kind);
+        if (++c->line == c->lines) {
+            c->line = 0;
+            c->row += c->ld;
+            c->rows_left--;
+        }
+    }
+}
+
 /* O[r][0 : NV*8) += sum_j P[r * FA_D1_BK + j] V[j] for r < R, keys in chunks of
- * FA_D1_PV_CHUNK; rows [0, npf) of Vpf are prefetched key by key meanwhile.  R x NV
+ * FA_D1_PV_CHUNK; meanwhile, key by key, pf->per_step lines of the next block's V (SPREAD) or
+ * rows [0, npf) of Vpf (row length Ev).  R x NV
  * accumulators + NV row vectors + one broadcast fit the 16 ymm registers (fa_d2_pv_cols_). */
-FA_D2_INL void fa_d2_pv_(const int R, const int NV, const float *P, ptrdiff_t n, const float *V,
-                         ptrdiff_t ldv, float *O, ptrdiff_t ldo, const float *Vpf,
-                         ptrdiff_t npf, ptrdiff_t Ev, int kind)
+FA_D2_INL void fa_d2_pv_(const int R, const int NV, const int SPREAD, const float *P,
+                         ptrdiff_t n, const float *V, ptrdiff_t ldv, float *O, ptrdiff_t ldo,
+                         fa_d2_vpf_ *pf, const float *Vpf, ptrdiff_t npf, ptrdiff_t Ev, int kind)
 {
     for (ptrdiff_t j0 = 0; j0 < n; j0 += FA_D1_PV_CHUNK) {
         const ptrdiff_t j1 = n - j0 < FA_D1_PV_CHUNK ? n : j0 + FA_D1_PV_CHUNK;
@@ -141,7 +166,10 @@ FA_D2_INL void fa_d2_pv_(const int R, const int NV, const float *P, ptrdiff_t n,
         for (int a = 0; a < R * NV; a++) acc[a] = _mm256_setzero_ps();
         for (ptrdiff_t j = j0; j < j1; j++) {
             const float *vr = V + j * ldv;
-            if (j < npf) fa_d1_prefetch_(Vpf, ldv, Ev, j, j + 1, kind);
+            if (SPREAD)
+                fa_d2_vpf_step_(pf);
+            else if (j < npf)
+                fa_d1_prefetch_(Vpf, ldv, Ev, j, j + 1, kind);
             if (R == 1) {                           /* V rows straight from memory operands */
                 const __m256 pj = _mm256_set1_ps(P[j]);
                 for (int v = 0; v < NV; v++)
@@ -168,12 +196,29 @@ FA_D2_INL void fa_d2_pv_(const int R, const int NV, const float *P, ptrdiff_t n,
 }
 
 /* ... for every column: panels of 8 vectors for one row, 4 for two, 2 for three or four, 1
- * above; the first panel also prefetches rows [0, npf) of Vpf (the next block).  Ev % 8 == 0. */
-FA_D2_INL void fa_d2_pv_cols_(const int R, const float *P, ptrdiff_t n, const float *V,
-                              ptrdiff_t ldv, ptrdiff_t Ev, float *O, ptrdiff_t ldo,
-                              const float *Vpf, ptrdiff_t npf, int kind)
+ * above.  Ev % 8 == 0.  Meanwhile rows [0, npf) of Vpf (the next block) are prefetched, row
+ * after row: SPREAD, a few lines per key step of every panel; else whole rows, one per key
+ * step of the first panel.
+ * Why spread: at R = 4, d = 128 P·V takes 55-65% of a block's time (C harness, in L2), and
+ * with V's prefetch in the scores (or, R <= 2, in the first panel) the core asked DRAM for
+ * nothing during most of it.  The harness (64 MB K and V in one call per thread, 2 threads,
+ * variants interleaved in one process, Zen 4 guest on AVX2), GB/s, one panel's columns per
+ * key step before this row-by-row order: R = 4 22.6 -> 23.3, 28.1 -> 29.5, 24.5 -> 27.9,
+ * 24.1 -> 26.3 (four processes); R = 2 26.2 -> 34.0; R = 1 29.3 -> 31.3; one thread, R = 4
+ * 14.5 -> 16.2; d = 64, R = 4: 21.4 -> 21.7.  Spreading K's prefetch over the scores' e loop
+ * the same way was slower (R = 4: 22.3 -> 19.7).  Through the library, GQA 32/8 d = 128
+ * (bench/ab_trees.py, two trees interleaved in one process): 0.76-0.83x the time at
+ * S = 16384 and 65536 on a quiet host, 0.88-0.97x under load. */
+FA_D2_INL void fa_d2_pv_cols_(const int R, const int SPREAD, const float *P, ptrdiff_t n,
+                              const float *V, ptrdiff_t ldv, ptrdiff_t Ev, float *O,
+                              ptrdiff_t ldo, const float *Vpf, ptrdiff_t npf, int kind)
 {
-    const int NVMAX = R == 1 ? 8 : R == 2 ? 4 : R <= 4 ? 2 : 1;
+    const int NVMAX = fa_d2_nvmax_(R);
+    const ptrdiff_t panels = (Ev + 8 * NVMAX - 1) / (8 * NVMAX);
+    /* lines at byte offsets 0, 64, ... < Ev * 4 from each row's start */
+    fa_d2_vpf_ pf = {Vpf, ldv, 0, (Ev * (ptrdiff_t)sizeof(float) + 63) / 64, npf, 0, kind};
+    if (SPREAD && npf > 0 && n > 0)
+        pf.per_step = (int)((npf * pf.lines + panels * n - 1) / (panels * n));
     for (ptrdiff_t c0 = 0; c0 < Ev; c0 += 8 * NVMAX) {
         const ptrdiff_t left = (Ev - c0) / 8;
         const int nv = left < NVMAX ? (int)left : NVMAX;
@@ -181,30 +226,31 @@ FA_D2_INL void fa_d2_pv_cols_(const int R, const float *P, ptrdiff_t n, const fl
         const float *Vc = V + c0;
         float *Oc = O + c0;
         switch (nv) {
-        case 1: fa_d2_pv_(R, 1, P, n, Vc, ldv, Oc, ldo, Vpf, np, Ev, kind); break;
-        case 2: fa_d2_pv_(R, NVMAX >= 2 ? 2 : 1, P, n, Vc, ldv, Oc, ldo, Vpf, np, Ev, kind); break;
-        case 3: fa_d2_pv_(R, NVMAX >= 3 ? 3 : 1, P, n, Vc, ldv, Oc, ldo, Vpf, np, Ev, kind); break;
-        case 4: fa_d2_pv_(R, NVMAX >= 4 ? 4 : 1, P, n, Vc, ldv, Oc, ldo, Vpf, np, Ev, kind); break;
-        case 5: fa_d2_pv_(R, NVMAX >= 5 ? 5 : 1, P, n, Vc, ldv, Oc, ldo, Vpf, np, Ev, kind); break;
-        case 6: fa_d2_pv_(R, NVMAX >= 6 ? 6 : 1, P, n, Vc, ldv, Oc, ldo, Vpf, np, Ev, kind); break;
-        case 7: fa_d2_pv_(R, NVMAX >= 7 ? 7 : 1, P, n, Vc, ldv, Oc, ldo, Vpf, np, Ev, kind); break;
-        default: fa_d2_pv_(R, NVMAX >= 8 ? 8 : 1, P, n, Vc, ldv, Oc, ldo, Vpf, np, Ev, kind); break;
+        case 1: fa_d2_pv_(R, 1, SPREAD, P, n, Vc, ldv, Oc, ldo, &pf, Vpf, np, Ev, kind); break;
+        case 2: fa_d2_pv_(R, NVMAX >= 2 ? 2 : 1, SPREAD, P, n, Vc, ldv, Oc, ldo, &pf, Vpf, np, Ev, kind); break;
+        case 3: fa_d2_pv_(R, NVMAX >= 3 ? 3 : 1, SPREAD, P, n, Vc, ldv, Oc, ldo, &pf, Vpf, np, Ev, kind); break;
+        case 4: fa_d2_pv_(R, NVMAX >= 4 ? 4 : 1, SPREAD, P, n, Vc, ldv, Oc, ldo, &pf, Vpf, np, Ev, kind); break;
+        case 5: fa_d2_pv_(R, NVMAX >= 5 ? 5 : 1, SPREAD, P, n, Vc, ldv, Oc, ldo, &pf, Vpf, np, Ev, kind); break;
+        case 6: fa_d2_pv_(R, NVMAX >= 6 ? 6 : 1, SPREAD, P, n, Vc, ldv, Oc, ldo, &pf, Vpf, np, Ev, kind); break;
+        case 7: fa_d2_pv_(R, NVMAX >= 7 ? 7 : 1, SPREAD, P, n, Vc, ldv, Oc, ldo, &pf, Vpf, np, Ev, kind); break;
+        default: fa_d2_pv_(R, NVMAX >= 8 ? 8 : 1, SPREAD, P, n, Vc, ldv, Oc, ldo, &pf, Vpf, np, Ev, kind); break;
         }
     }
 }
 
 /* One block of nb <= FA_D1_BK keys for R rows; rows [0, nn) of Kpf / Vpf are prefetched
- * meanwhile: up to two rows, K during the scores and V during the first P·V panel (moving V's
- * to the scores was no faster there and at R = 2, d = 128 1.03-1.27x slower: those rows
- * want a key every ~20 ns, more than DRAM gives one thread, and the doubled burst of
- * prefetches only queued); three or more, both during the first four rows' scores
- * (fa_d2_scores_rows_). */
+ * meanwhile: K's during the scores (of the first four rows); V's spread over P·V (`spread`,
+ * fa_d2_pv_cols_), else as before: up to two rows, during the first P·V panel (moving them
+ * to the scores was no faster there and at R = 2, d = 128 1.03-1.27x slower: those rows want
+ * a key every ~20 ns, more than DRAM gives one thread, and the doubled burst of prefetches
+ * only queued); three or more, with K's during the scores (fa_d2_scores_rows_). */
 FA_D2_INL void fa_d2_block_(const int R, const float *q, ptrdiff_t ldq, const float *Kb,
                             ptrdiff_t ldk, const float *Vb, ptrdiff_t ldv, ptrdiff_t nb,
                             ptrdiff_t E, ptrdiff_t Ev, float scale, float *m, double *l,
                             float *O, ptrdiff_t ldo, int kind, const float *Kpf,
-                            const float *Vpf, ptrdiff_t nn)
+                            const float *Vpf, ptrdiff_t nn, const int SPREAD)
 {
+    const ptrdiff_t Evpf = R > 2 && !SPREAD ? Ev : 0;      /* V's prefetch in the scores */
     float P[FA_DG_MAXR * FA_D1_BK] __attribute__((aligned(32)));
     const int ng = (int)((nb + 7) / 8);
     const __m256 ninf = _mm256_set1_ps(-__builtin_inff());
@@ -213,11 +259,10 @@ FA_D2_INL void fa_d2_block_(const int R, const float *q, ptrdiff_t ldq, const fl
             const int rows = R - r0 < 4 ? R - r0 : 4;
             if (rows <= 2)
                 fa_d2_scores_rows_(2, q + r0 * ldq, ldq, rows, E, Kb, ldk, nb, scale,
-                                   P + r0 * FA_D1_BK, Kpf, r0 ? 0 : nn, kind, Vpf, ldv,
-                                   R > 2 ? Ev : 0);
+                                   P + r0 * FA_D1_BK, Kpf, r0 ? 0 : nn, kind, Vpf, ldv, Evpf);
             else
                 fa_d2_scores_rows_(4, q + r0 * ldq, ldq, rows, E, Kb, ldk, nb, scale,
-                                   P + r0 * FA_D1_BK, Kpf, r0 ? 0 : nn, kind, Vpf, ldv, Ev);
+                                   P + r0 * FA_D1_BK, Kpf, r0 ? 0 : nn, kind, Vpf, ldv, Evpf);
         }
     for (int r = 0; r < R; r++) {
         __m256 s[FA_D1_BK / 8];
@@ -259,19 +304,26 @@ FA_D2_INL void fa_d2_block_(const int R, const float *q, ptrdiff_t ldq, const fl
                 _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(o + c), av));
         }
     }
-    fa_d2_pv_cols_(R, P, nb, Vb, ldv, Ev, O, ldo, Vpf, R > 2 ? 0 : nn, kind);
+    fa_d2_pv_cols_(R, SPREAD, P, nb, Vb, ldv, Ev, O, ldo, Vpf, Evpf ? 0 : nn, kind);
 }
 
-#define FA_D2_CASE(RR)                                                                     \
+#define FA_D2_CASE(RR, SP)                                                                 \
     case RR:                                                                               \
         fa_d2_block_(RR, q, ldq, K + j0 * ldk, ldk, V + j0 * ldv, ldv, nb, E, Ev, scale, m, \
-                     l, O, ldo, pf_kind, Kpf + j0 * ldk, Vpf + j0 * ldv, nn);                 \
+                     l, O, ldo, pf_kind, Kpf + j0 * ldk, Vpf + j0 * ldv, nn, SP);             \
         break;
 
 /* Rows q[r * ldq], r < R (1 <= R <= FA_DG_MAXR), against keys [0, n) of K (stride ldk) and V
  * (stride ldv), updating m_io[r], l_io[r] and O[r * ldo + c]; E % 8 == Ev % 8 == 0.  Prefetch
  * as fa_decode1_f_avx512: block [j0, j0 + nb) prefetches rows [j0, j0 + nb) of Kpf / Vpf
- * below npf. */
+ * below npf.  V's prefetch is spread over P·V in a call longer than one block (a head's run of
+ * keys) whose rows take more than one column panel.  A call of one block is the heads-group
+ * walk of a flash-layout cache (decode.pxi: 8 keys of one kv head, then the next head's):
+ * there spreading lost (the inference preset's ragged decode 1.03-1.18x the time, and in the
+ * harness 0.85x the GB/s), and so did prefetching the next block in address order (each call
+ * one whole key row of all heads, K then V: 0.82-0.9x).  With one panel (R = 1, d = 64) the
+ * spread order is the old one.  Otherwise (no prefetch, a short or one-panel call) this runs
+ * the old code, instantiated apart. */
 static FA_A2 void fa_decodeg_f_avx2(int R, const float *q, ptrdiff_t ldq, const float *K,
                                     ptrdiff_t ldk, const float *V, ptrdiff_t ldv, ptrdiff_t n,
                                     ptrdiff_t E, ptrdiff_t Ev, float scale, float *m_io,
@@ -280,6 +332,7 @@ static FA_A2 void fa_decodeg_f_avx2(int R, const float *q, ptrdiff_t ldq, const 
 {
     float m[FA_DG_MAXR];
     double l[FA_DG_MAXR];            /* one add per block: keep it in double across blocks */
+    const int spread = pf_kind && npf > 0 && n > FA_D1_BK && Ev > 8 * fa_d2_nvmax_(R);
     for (int r = 0; r < R; r++) {
         m[r] = m_io[r];
         l[r] = l_io[r];
@@ -288,17 +341,30 @@ static FA_A2 void fa_decodeg_f_avx2(int R, const float *q, ptrdiff_t ldq, const 
         const ptrdiff_t nb = n - j0 < FA_D1_BK ? n - j0 : FA_D1_BK;
         const ptrdiff_t left = npf - j0;
         const ptrdiff_t nn = pf_kind && left > 0 ? (left < nb ? left : nb) : 0;
-        switch (R) {
-        FA_D2_CASE(1)
-        FA_D2_CASE(2)
-        FA_D2_CASE(3)
-        FA_D2_CASE(4)
-        FA_D2_CASE(5)
-        FA_D2_CASE(6)
-        FA_D2_CASE(7)
-        default:
-        FA_D2_CASE(8)
-        }
+        if (spread)
+            switch (R) {
+            FA_D2_CASE(1, 1)
+            FA_D2_CASE(2, 1)
+            FA_D2_CASE(3, 1)
+            FA_D2_CASE(4, 1)
+            FA_D2_CASE(5, 1)
+            FA_D2_CASE(6, 1)
+            FA_D2_CASE(7, 1)
+            default:
+            FA_D2_CASE(8, 1)
+            }
+        else
+            switch (R) {
+            FA_D2_CASE(1, 0)
+            FA_D2_CASE(2, 0)
+            FA_D2_CASE(3, 0)
+            FA_D2_CASE(4, 0)
+            FA_D2_CASE(5, 0)
+            FA_D2_CASE(6, 0)
+            FA_D2_CASE(7, 0)
+            default:
+            FA_D2_CASE(8, 0)
+            }
     }
     for (int r = 0; r < R; r++) {
         m_io[r] = m[r];

@@ -407,7 +407,8 @@ def test_decode_prefetch_slices_same_bits(K, level, dtype, L):
 @pytest.mark.parametrize("G", [2, 3, 4, 5, 8, 9])
 def test_decode_group_kernel(K, level, G):
     """float32 decode of one query position (L = 1) with G query heads per kv head: 2..8 rows
-    run in fa_decodeg.h (AVX-512; other levels the general path), 9 in the general path.
+    run in fa_decodeg.h on AVX-512 and in fa_decode_avx2.h on AVX2 (other levels: the general
+    path), 9 in the general path.
     E = 40 and Ev = 24 (not multiples of 16), S = 3000 (the keys split across threads and
     merge), against the reference; the software prefetch (kind, distance) never changes the
     bits."""
@@ -425,6 +426,27 @@ def test_decode_group_kernel(K, level, G):
                 again = run_kernel(K, "decode", p, 2)
             for a, b in zip(base, again):
                 assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("G", [1, 2, 4, 8])
+def test_decode_spread_v_prefetch(K, level, G):
+    """The AVX2 group kernel spreads the next block's V prefetch over P·V's column panels in
+    a call longer than one block whose rows take more than one panel (fa_decode_avx2.h; a
+    separate copy of the kernel): E = Ev = 128 gives each of 1, 2, 4 and 8 rows 2 to 16
+    panels, S = 3000 runs of keys split across threads.  Against the reference, and with the
+    prefetch forced on (every kind, two distances) the same bits as with it off."""
+    rng = np.random.default_rng(20 + G)
+    q = randn(rng, (1, 2 * G, 1, 128), np.float32)
+    k, v = randn(rng, (1, 2, 3000, 128), np.float32), randn(rng, (1, 2, 3000, 128), np.float32)
+    check(K, "decode", 2, q, k, v)
+    p = make_problem(q, k, v, enable_gqa=True)
+    with tuning(decode_prefetch=0):
+        base = run_kernel(K, "decode", p, 2)
+    for pf, ahead in ((1, 64), (2, 64), (2, 200), (3, 64)):
+        with tuning(decode_prefetch=pf, decode_prefetch_ahead=ahead):
+            again = run_kernel(K, "decode", p, 2)
+        for a, b in zip(base, again):
+            assert np.array_equal(a, b)
 
 
 @pytest.mark.parametrize("G", [1, 3, 8])
