@@ -15,7 +15,14 @@
 # sizes of every ISA copy (P·V rows: 12 or 6; Qt panels of 32 lanes, which the AVX-512 Q·Kᵀ
 # takes in pairs, an odd last panel alone).  Causal/banded problems compute the upper triangle
 # of each diagonal block for nothing (a fraction Bq/L of the work), so they default to 96;
-# otherwise 192 halves the per-item overheads (Qt packing, lane setup).  Decode's slices
+# otherwise 192 halves the per-item overheads (Qt packing, lane setup).  Bk = 192 (a multiple
+# of 96 too): a block's scores, K and V rows, Qt and O then take ~530 KB at d = 128 against
+# ~660 KB at Bk = 256, and on a Zen 4 guest on AVX2 (1 MiB L2 per core; tuning(block_k=...),
+# interleaved in one process with an explicit 256 as the control, which read 0.99-1.03) the
+# forward took 0.95-0.97x the time of Bk = 256 at d = 128 (L = 512...8192, H = 4 and 8, GQA
+# 8/2), 0.95-0.98x at d = 64 L = 256, 1024 and 8192, 0.99x causal; Bk = 128 gained 3-4% at
+# d = 128, 384 lost 6% at d = 64.  (On a Sapphire Rapids VM with 2 MiB of L2 the inner loop
+# had been flat over Bk 128..512: bench/results/cython_kernels.md.)  Decode's slices
 # between prefetches (attend_rows) are multiples of 12 (the key strip of fa_qk) and 32
 # (fa_pv's summation chunk).
 

@@ -146,7 +146,7 @@ cdef int fill_tune(Tune *t, object tuning) except -1:
 cdef int fill_tune_fields(Tune *t, object tuning) except -1:
     t.fwd_bq = tune_field(tuning, "block_q", 192, 96, 0, 0)
     t.fwd_bq_banded = tune_field(tuning, "block_q_banded", 96, 96, 0, 0)
-    t.fwd_bk = tune_field(tuning, "block_k", 256, 1, 0, 0)
+    t.fwd_bk = tune_field(tuning, "block_k", 192, 1, 0, 0)
     t.bwd_w = tune_field(tuning, "bwd_block_q", 96, 32, FA_BWD_MAXW, 0)
     t.bwd_bk = tune_field(tuning, "bwd_block_k", 96, 1, 0, 0)
     t.bwd_db = tune_field(tuning, "bwd_block_edge", 24, 1, 0, 0)
