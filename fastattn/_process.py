@@ -13,7 +13,26 @@ from __future__ import annotations
 import contextlib
 import os
 
-_state = {"pool_used": False, "forked": False, "forked_after_pool_use": False}
+_state = {"pool_used": False, "forked": False, "forked_after_pool_use": False,
+          "openmp_passive": None}
+
+
+def openmp_passive() -> bool | None:
+    """Whether the libgomp the compiled backends run on sleeps between parallel regions: True
+    when it was loaded under passive_openmp_wait's setting (or the user's OMP_WAIT_POLICY=
+    passive), False when it spins (the user asked for it, or a library loaded it first with
+    libgomp's default: torch does), None before a backend loaded it or where it cannot be
+    told.  A sleeping pool costs a wake-up per parallel call: tens of microseconds on a VM."""
+    return _state["openmp_passive"]
+
+
+def _libgomp_mapped() -> bool | None:
+    """A libgomp is already loaded in this process (Linux: /proc/self/maps); None: unknown."""
+    try:
+        with open("/proc/self/maps") as f:
+            return any("libgomp" in line for line in f)
+    except OSError:
+        return None
 
 
 def note_pool_used() -> None:
@@ -41,6 +60,14 @@ def passive_openmp_wait():
     so the user's environment is unchanged.
     """
     set_here = "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
+    users_passive = (os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
+                     and "GOMP_SPINCOUNT" not in os.environ)
+    loaded = _libgomp_mapped()
+    if loaded is False:             # the import below loads it: with our setting or the user's
+        _state["openmp_passive"] = set_here or users_passive
+    elif loaded and _state["openmp_passive"] is None:
+        # someone else's (torch's), loaded with the environment of then: guess it was this one
+        _state["openmp_passive"] = users_passive
     if set_here:
         os.environ["OMP_WAIT_POLICY"] = "passive"
     try:

@@ -1,6 +1,7 @@
 """Calls from several Python threads at once, and fork after use: correct, never an abort or hang."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -133,3 +134,49 @@ def test_openmp_threads_wait_passively_between_calls(backend):
                          capture_output=True, text=True, cwd=package_root())
     assert res.returncode == 0, res.stderr[-2000:]
     assert float(res.stdout.split()[-1]) < 0.12, res.stdout
+
+
+BOUND_CHILD = """
+import json, sys
+if sys.argv[1] == "torch":
+    import torch                       # loads its own libgomp first, spinning by default
+import fastattn as fa
+from fastattn import _process
+from fastattn._backends import registry
+be = registry["cython"]
+info = be.info()
+print(json.dumps([info.available, info.reason, _process.openmp_passive(),
+                  be.serial_decode_bytes, type(be).serial_decode_bytes,
+                  type(be).passive_serial_decode_bytes]))
+"""
+
+
+@pytest.mark.parametrize("case", ["own pool", "user spins", "torch first"])
+def test_serial_decode_bound_follows_the_pools_wait_policy(case):
+    """A sleeping OpenMP worker costs a wake-up per two-thread call (~50 us on a VM), so with
+    the libgomp fastattn loads itself (passive) decode stays on the calling thread up to a
+    larger size; when the pool spins (the user's GOMP_SPINCOUNT, or torch's libgomp loaded
+    first), the smaller bound measured with a spinning pool holds."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    if case == "user spins":
+        env["GOMP_SPINCOUNT"] = "10000"
+    if case == "torch first":
+        pytest.importorskip("torch")
+    res = subprocess.run([sys.executable, "-c", BOUND_CHILD,
+                          "torch" if case == "torch first" else "-"],
+                         timeout=300, env=env, capture_output=True, text=True,
+                         cwd=package_root())
+    assert res.returncode == 0, res.stderr[-2000:]
+    available, reason, passive, bound, spin_bound, passive_bound = json.loads(
+        res.stdout.split("\n")[-2])
+    if not available:
+        from conftest import required
+        if "cython" in required():
+            pytest.fail(f"cython required but unavailable: {reason}")
+        pytest.skip(f"cython unavailable: {reason}")
+    if case == "own pool":
+        assert passive is True
+        assert bound == max(spin_bound, passive_bound) > spin_bound
+    else:
+        assert passive is False
+        assert bound == spin_bound

@@ -62,6 +62,15 @@ class CythonBackend(CompiledBackend):
     # 10-10.5 on two (a 64 KiB bound).  Not above one core's L2 on a machine whose L2 is
     # smaller.
     serial_decode_bytes = min(128 << 10, l2_bytes_per_core())
+    # ... those measurements had torch in the process, whose libgomp (loaded first) spins
+    # between calls, so the second thread was awake.  fastattn loads its own libgomp with
+    # passive waiting (_process.passive_openmp_wait): then each two-thread call first wakes the
+    # sleeping worker, ~50 us on that guest.  Without torch, 12 heads d = 64, calls back to
+    # back in batches of 0.1 s, medians of 15: S = 128 (768 KB) took 67-78 us on two threads
+    # against 23 on one, S = 1024 (6.3 MB) 127-133 against 142-145, S = 2048 251 against 332.
+    # So with a sleeping pool the bound is 4 MiB, about where one thread's time is twice the
+    # wake-up.
+    passive_serial_decode_bytes = 4 << 20
     # a KV cache read in place: forward and decode read it (csrc/forward.pxi attend_rows)
     unsupported_backward_options = {
         "kv_strides": "cython's backward reads k/v C-contiguous only",
@@ -70,6 +79,9 @@ class CythonBackend(CompiledBackend):
 
     def _load(self) -> None:
         self._k = k = _import_kernels()
+        if _process.openmp_passive():
+            self.serial_decode_bytes = max(self.serial_decode_bytes,
+                                           self.passive_serial_decode_bytes)
         self._forward_kernel = k.forward
         self._decode_kernel = k.decode
         self._backward_kernel = k.backward
