@@ -231,3 +231,26 @@ def test_inference_preset_plumbing(tmp_path, monkeypatch):
     assert append["largest_vs_smallest"] > 0 and len(append["ms"]) == 2
     text = (tmp_path / "inference.md").read_text()
     assert "ragged prefill" in text and "% of read bandwidth" in text and "capacity" in text
+
+
+def test_numpy_loop_threads_script_times_every_setting():
+    """bench/numpy_loop_threads.py (a source-tree script, not part of the package) runs each
+    thread setting in its own process and prints the step, product and attention times."""
+    import os
+    import re
+    import subprocess
+    from helpers import package_root
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
+                          "numpy_loop_threads.py")
+    if not os.path.exists(script):
+        pytest.skip("not a source checkout")
+    res = subprocess.run([sys.executable, script, "--keys", "16", "--batch-s", "0.001",
+                          "--rounds", "1"], capture_output=True, text=True, timeout=300,
+                         cwd=package_root())
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [line for line in res.stdout.splitlines() if line.startswith("keys")]
+    assert [r.split()[2] for r in rows] == ["defaults", "FASTATTN_NUM_THREADS=1",
+                                           "OPENBLAS_NUM_THREADS=1"]
+    for r in rows:
+        times = [float(t) for t in re.findall(r"(?:step|product|attention) ([0-9.]+)", r)]
+        assert len(times) == 3 and all(t > 0 for t in times), r
