@@ -20,17 +20,19 @@ _state = {"pool_used": False, "forked": False, "forked_after_pool_use": False,
 def openmp_passive() -> bool | None:
     """Whether the libgomp the compiled backends run on sleeps between parallel regions: True
     when it was loaded under passive_openmp_wait's setting (or the user's OMP_WAIT_POLICY=
-    passive), False when it spins (the user asked for it, or a library loaded it first with
-    libgomp's default: torch does), None before a backend loaded it or where it cannot be
-    told.  A sleeping pool costs a wake-up per parallel call: tens of microseconds on a VM."""
+    passive), False when it spins: the user asked for it, or the extension bound to a libgomp
+    another library had loaded with libgomp's default (torch's, when fastattn is built against
+    the system's libgomp.so.1; a repaired wheel carries its own).  None before a backend loaded
+    it, or where it cannot be told.  A sleeping pool costs a wake-up per parallel call: tens of
+    microseconds on a VM."""
     return _state["openmp_passive"]
 
 
-def _libgomp_mapped() -> bool | None:
-    """A libgomp is already loaded in this process (Linux: /proc/self/maps); None: unknown."""
+def _libgomps_loaded() -> set | None:
+    """The libgomp files loaded in this process (Linux: /proc/self/maps); None: unknown."""
     try:
         with open("/proc/self/maps") as f:
-            return any("libgomp" in line for line in f)
+            return {line.split()[-1] for line in f if "libgomp" in line}
     except OSError:
         return None
 
@@ -62,12 +64,7 @@ def passive_openmp_wait():
     set_here = "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
     users_passive = (os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
                      and "GOMP_SPINCOUNT" not in os.environ)
-    loaded = _libgomp_mapped()
-    if loaded is False:             # the import below loads it: with our setting or the user's
-        _state["openmp_passive"] = set_here or users_passive
-    elif loaded and _state["openmp_passive"] is None:
-        # someone else's (torch's), loaded with the environment of then: guess it was this one
-        _state["openmp_passive"] = users_passive
+    before = _libgomps_loaded()
     if set_here:
         os.environ["OMP_WAIT_POLICY"] = "passive"
     try:
@@ -75,6 +72,15 @@ def passive_openmp_wait():
     finally:
         if set_here:
             os.environ.pop("OMP_WAIT_POLICY", None)
+        after = _libgomps_loaded()
+        if before is not None and after:
+            if after - before:      # the import loaded one: under this block's setting
+                _state["openmp_passive"] = set_here or users_passive
+            elif _state["openmp_passive"] is None:
+                # it bound to one loaded before, by someone else (torch's, in a source build
+                # that links the system's libgomp.so.1), with the environment of then: guess
+                # that it was this one
+                _state["openmp_passive"] = users_passive
 
 
 def _after_fork_in_child() -> None:
