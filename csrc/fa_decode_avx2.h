@@ -154,8 +154,8 @@ FA_D2_INL void fa_d2_vpf_step_(fa_d2_vpf_ *c)
 
 /* O[r][0 : NV*8) += sum_j P[r * FA_D1_BK + j] V[j] for r < R, keys in chunks of
  * FA_D1_PV_CHUNK; meanwhile, key by key, pf->per_step lines of the next block's V (SPREAD) or
- * rows [0, npf) of Vpf (row length Ev).  R x NV
- * accumulators + NV row vectors + one broadcast fit the 16 ymm registers (fa_d2_pv_cols_). */
+ * rows [0, npf) of Vpf (row length Ev).  R x NV accumulators + NV row vectors + one broadcast
+ * fit the 16 ymm registers (fa_d2_nvmax_). */
 FA_D2_INL void fa_d2_pv_(const int R, const int NV, const int SPREAD, const float *P,
                          ptrdiff_t n, const float *V, ptrdiff_t ldv, float *O, ptrdiff_t ldo,
                          fa_d2_vpf_ *pf, const float *Vpf, ptrdiff_t npf, ptrdiff_t Ev, int kind)
@@ -202,13 +202,14 @@ FA_D2_INL void fa_d2_pv_(const int R, const int NV, const int SPREAD, const floa
  * Why spread: at R = 4, d = 128 P·V takes 55-65% of a block's time (C harness, in L2), and
  * with V's prefetch in the scores (or, R <= 2, in the first panel) the core asked DRAM for
  * nothing during most of it.  The harness (64 MB K and V in one call per thread, 2 threads,
- * variants interleaved in one process, Zen 4 guest on AVX2), GB/s, one panel's columns per
- * key step before this row-by-row order: R = 4 22.6 -> 23.3, 28.1 -> 29.5, 24.5 -> 27.9,
- * 24.1 -> 26.3 (four processes); R = 2 26.2 -> 34.0; R = 1 29.3 -> 31.3; one thread, R = 4
- * 14.5 -> 16.2; d = 64, R = 4: 21.4 -> 21.7.  Spreading K's prefetch over the scores' e loop
- * the same way was slower (R = 4: 22.3 -> 19.7).  Through the library, GQA 32/8 d = 128
- * (bench/ab_trees.py, two trees interleaved in one process): 0.76-0.83x the time at
- * S = 16384 and 65536 on a quiet host, 0.88-0.97x under load. */
+ * variants interleaved in one process, Zen 4 guest on AVX2), GB/s, for a first form that
+ * prefetched each panel's own columns of every row: R = 4 22.6 -> 23.3, 28.1 -> 29.5,
+ * 24.5 -> 27.9, 24.1 -> 26.3 (four processes); R = 2 26.2 -> 34.0; R = 1 29.3 -> 31.3; one
+ * thread, R = 4 14.5 -> 16.2; d = 64, R = 4: 21.4 -> 21.7.  Row after row read as fast or
+ * faster (R = 4: 25.9 against 23.7, 26.6 against 24.5).  Spreading K's prefetch over the
+ * scores' e loop the same way was slower (R = 4: 22.3 -> 19.7).  Through the library, GQA
+ * 32/8 d = 128 (bench/ab_trees.py, two trees interleaved in one process): 0.76-0.83x the time
+ * at S = 16384 and 65536 on a quiet host, 0.88-0.97x under load. */
 FA_D2_INL void fa_d2_pv_cols_(const int R, const int SPREAD, const float *P, ptrdiff_t n,
                               const float *V, ptrdiff_t ldv, ptrdiff_t Ev, float *O,
                               ptrdiff_t ldo, const float *Vpf, ptrdiff_t npf, int kind)
@@ -225,16 +226,18 @@ FA_D2_INL void fa_d2_pv_cols_(const int R, const int SPREAD, const float *P, ptr
         const ptrdiff_t np = c0 ? 0 : npf;
         const float *Vc = V + c0;
         float *Oc = O + c0;
+#define FA_D2_PV(NVX) fa_d2_pv_(R, NVX, SPREAD, P, n, Vc, ldv, Oc, ldo, &pf, Vpf, np, Ev, kind)
         switch (nv) {
-        case 1: fa_d2_pv_(R, 1, SPREAD, P, n, Vc, ldv, Oc, ldo, &pf, Vpf, np, Ev, kind); break;
-        case 2: fa_d2_pv_(R, NVMAX >= 2 ? 2 : 1, SPREAD, P, n, Vc, ldv, Oc, ldo, &pf, Vpf, np, Ev, kind); break;
-        case 3: fa_d2_pv_(R, NVMAX >= 3 ? 3 : 1, SPREAD, P, n, Vc, ldv, Oc, ldo, &pf, Vpf, np, Ev, kind); break;
-        case 4: fa_d2_pv_(R, NVMAX >= 4 ? 4 : 1, SPREAD, P, n, Vc, ldv, Oc, ldo, &pf, Vpf, np, Ev, kind); break;
-        case 5: fa_d2_pv_(R, NVMAX >= 5 ? 5 : 1, SPREAD, P, n, Vc, ldv, Oc, ldo, &pf, Vpf, np, Ev, kind); break;
-        case 6: fa_d2_pv_(R, NVMAX >= 6 ? 6 : 1, SPREAD, P, n, Vc, ldv, Oc, ldo, &pf, Vpf, np, Ev, kind); break;
-        case 7: fa_d2_pv_(R, NVMAX >= 7 ? 7 : 1, SPREAD, P, n, Vc, ldv, Oc, ldo, &pf, Vpf, np, Ev, kind); break;
-        default: fa_d2_pv_(R, NVMAX >= 8 ? 8 : 1, SPREAD, P, n, Vc, ldv, Oc, ldo, &pf, Vpf, np, Ev, kind); break;
+        case 1: FA_D2_PV(1); break;
+        case 2: FA_D2_PV(NVMAX >= 2 ? 2 : 1); break;
+        case 3: FA_D2_PV(NVMAX >= 3 ? 3 : 1); break;
+        case 4: FA_D2_PV(NVMAX >= 4 ? 4 : 1); break;
+        case 5: FA_D2_PV(NVMAX >= 5 ? 5 : 1); break;
+        case 6: FA_D2_PV(NVMAX >= 6 ? 6 : 1); break;
+        case 7: FA_D2_PV(NVMAX >= 7 ? 7 : 1); break;
+        default: FA_D2_PV(NVMAX >= 8 ? 8 : 1); break;
         }
+#undef FA_D2_PV
     }
 }
 
