@@ -40,18 +40,35 @@ def _size(x, name: str, positive: bool = True) -> int:
 # 1028 and 1536 KiB 0.91-0.92x.  (The bench's shuffled paged pool, whose K and V pages are
 # also 4 KiB apart modulo 2 MiB, read at the faster rate: the rule is empirical.)
 _HUGE_PAGE = 2 << 20
+# Both arrays start on a cache line.  A large np.zeros array starts 16 bytes into its page
+# (malloc's header in front of an mmap), so every head row of a (.., heads, 128) float32 cache
+# straddles one more cache line than it needs and half the kernels' 32-byte loads are split
+# across two lines.  The inference preset's ragged decode (B = 8, 32/8 heads, d = 128, two
+# threads, the same buffers shifted to a 64-byte boundary, interleaved in one process, Zen 4
+# guest on AVX2) read 6-9% faster from an aligned pair of np.zeros arrays and 1-5% faster
+# from this class's buffer (four runs of 20-40 rounds each, every one faster).
+_ALIGN = 64
+
+
+def _zeros_aligned(count, dtype):
+    """`count` zeros of `dtype` from a 64-byte boundary: a view of a slightly longer array
+    (NumPy's allocations are 16-byte aligned, so the offset is whole items)."""
+    buf = np.zeros(count + _ALIGN // dtype.itemsize, dtype)
+    start = (-buf.ctypes.data % _ALIGN) // dtype.itemsize
+    return buf[start:start + count]
 
 
 def _key_value_arrays(kshape, vshape, dtype):
-    """Zeroed K and V arrays; above a huge page, views of one buffer in which V starts half a
-    huge page (1 MiB) away from K's offset within a page."""
-    kcount = int(np.prod(kshape))
+    """Zeroed K and V arrays, each starting on a cache line; above a huge page, views of one
+    buffer in which V starts half a huge page (1 MiB) away from K's offset within a page."""
+    kcount, vcount = int(np.prod(kshape)), int(np.prod(vshape))
     kn = kcount * dtype.itemsize
     if kn < _HUGE_PAGE:
-        return np.zeros(kshape, dtype), np.zeros(vshape, dtype)
-    gap = (-kn) % _HUGE_PAGE + _HUGE_PAGE // 2          # a multiple of the itemsize
+        return (_zeros_aligned(kcount, dtype).reshape(kshape),
+                _zeros_aligned(vcount, dtype).reshape(vshape))
+    gap = (-kn) % _HUGE_PAGE + _HUGE_PAGE // 2          # kn + gap: a multiple of 1 MiB
     start = (kn + gap) // dtype.itemsize
-    buf = np.zeros(start + int(np.prod(vshape)), dtype)
+    buf = _zeros_aligned(start + vcount, dtype)
     return buf[:kcount].reshape(kshape), buf[start:].reshape(vshape)
 
 
@@ -61,7 +78,8 @@ class KVCache:
     page_size=None: contiguous arrays (batch, max_len, kv_heads, head_dim). With a page size, a
     paged cache (batch * pages_per_seq, page_size, kv_heads, head_dim) and its int32
     block_table (batch, pages_per_seq) (sequence b owns pages b * pages_per_seq ...).
-    Above 2 MiB, k and v are views of one buffer (_key_value_arrays).
+    k and v start on 64-byte boundaries; above 2 MiB they are views of one buffer
+    (_key_value_arrays).
     value_dim defaults to head_dim. `seqlens` (int32, (batch,)) counts the tokens held.
     """
 

@@ -668,6 +668,22 @@ def test_kvcache_reorder_trim_reset(rng):
         cache.reorder(np.array([0, 1, 3]))
 
 
+@pytest.mark.parametrize("max_len", [16, 4096])             # separate arrays / one buffer
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_kvcache_arrays_start_on_a_cache_line(max_len, dtype):
+    """np.zeros of a large array starts 16 bytes into a page; the cache's K and V start on a
+    64-byte boundary (fastattn/nn.py: _zeros_aligned), hold zeros, and have their own shapes
+    and the requested dtype."""
+    for _ in range(3):                       # a few allocations: the offset is not luck
+        cache = fa.KVCache(2, max_len, 2, 64, dtype, value_dim=32)
+        for arr, dim in ((cache.k, 64), (cache.v, 32)):
+            assert arr.ctypes.data % 64 == 0
+            assert arr.dtype == dtype and arr.shape == (2, max_len, 2, dim)
+            assert arr.flags.c_contiguous and arr.flags.writeable
+            assert not np.any(arr)
+        assert not np.shares_memory(cache.k, cache.v)
+
+
 @pytest.mark.parametrize("page_size", [None, 256])
 def test_a_large_kvcache_holds_k_and_v_in_one_buffer_half_a_huge_page_apart(rng, page_size):
     """Above 2 MiB the cache's K and V are views of one buffer, V starting 1 MiB off K's
@@ -701,8 +717,12 @@ def test_a_large_kvcache_holds_k_and_v_in_one_buffer_half_a_huge_page_apart(rng,
 
 
 def test_a_small_kvcache_has_two_arrays():
+    """Below 2 MiB, K and V are two allocations (each a 64-byte-aligned view of its own
+    slightly longer array), not views of one buffer."""
     cache = fa.KVCache(2, 64, 2, 16, np.float32)
-    assert cache.k.base is None and cache.v.base is None
+    assert cache.k.base is not None and cache.v.base is not None
+    assert cache.k.base is not cache.v.base
+    assert cache.k.base.size - cache.k.size <= 16 and cache.v.base.size - cache.v.size <= 16
 
 
 def test_kvcache_and_varlen_pass_sinks_through(backend, rng):
