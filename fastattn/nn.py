@@ -45,8 +45,9 @@ _HUGE_PAGE = 2 << 20
 # straddles one more cache line than it needs and half the kernels' 32-byte loads are split
 # across two lines.  The inference preset's ragged decode (B = 8, 32/8 heads, d = 128, two
 # threads, the same buffers shifted to a 64-byte boundary, interleaved in one process, Zen 4
-# guest on AVX2) read 6-9% faster from an aligned pair of np.zeros arrays and 1-5% faster
-# from this class's buffer (four runs of 20-40 rounds each, every one faster).
+# guest on AVX2) read 6-9% faster from an aligned pair of np.zeros arrays (five runs of 12-40
+# rounds each) and 1-5% faster from this class's buffer in four of those runs (1% slower in
+# the fifth).
 _ALIGN = 64
 
 
