@@ -47,7 +47,8 @@ _HUGE_PAGE = 2 << 20
 # threads, the same buffers shifted to a 64-byte boundary, interleaved in one process, Zen 4
 # guest on AVX2) read 6-9% faster from an aligned pair of np.zeros arrays (five runs of 12-40
 # rounds each) and 1-5% faster from this class's buffer in four of those runs (1% slower in
-# the fifth).
+# the fifth).  Which of the two costs it is was not pinned down: the AVX2 decode loading its
+# rows in 16-byte halves (never split) took 1.04-1.05x the time (bench/ab_trees.py).
 _ALIGN = 64
 
 
