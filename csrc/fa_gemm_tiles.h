@@ -168,6 +168,9 @@ FA_FN void FN(fa_colmax)(const FA_T *S, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W,
  * summed in chunks of FA_PV_CHUNK into fresh registers and each chunk is added to O in memory:
  * ~3% more work, about half the error. */
 #define FA_PV_CHUNK 32
+#ifndef FA_PV_PACK_KEYS
+#define FA_PV_PACK_KEYS 512               /* keys of fa_pv's packed V strip (stack scratch) */
+#endif
 FA_INL void FN(fa_acc_tile_)(const int MRX, const int NVX, const FA_T *A, ptrdiff_t si,
                              ptrdiff_t sr, ptrdiff_t ni, const FA_T *X, ptrdiff_t ldx, FA_T *O,
                              ptrdiff_t ldo)
@@ -273,6 +276,39 @@ FA_FN void FN(fa_pv)(const FA_T *P, ptrdiff_t ldp, ptrdiff_t n, const FA_T *V, p
             FN(fa_pv_rows_)(MRT, P + r, ldp, n, V, ldv, Ev, O + r * ldo, ldo, alpha + r);
         for (; r < rows; r++)       /* 1-3 rows: not past the lanes the old tiling touched */
             FN(fa_pv_rows_)(1, P + r, ldp, n, V, ldv, Ev, O + r * ldo, ldo, alpha + r);
+        return;
+    }
+#else
+    /* 16-register ISAs: a 6 x 2 tile reads a 2-vector strip of V's n rows; at d = 64 those
+     * rows are 256 bytes apart, so the strip's lines fall in a quarter of L1's sets, and a
+     * strip of more than 128 keys was refetched from L2 for every 6 rows (forward: P·V took
+     * 1.27x the time of the same-size Q·Kᵀ).  With many rows, copy each strip once into
+     * contiguous scratch and run every row's tiles over it.  Per output element the same
+     * sum in the same order: the same bits. */
+    if (rows >= 4 * FA_MR && n <= FA_PV_PACK_KEYS && Ev >= NR) {
+        FA_T Vp[FA_PV_PACK_KEYS * NR] __attribute__((aligned(64)));
+        const ptrdiff_t cN = Ev - Ev % NR;
+        for (ptrdiff_t c = 0; c < cN; c += NR) {
+            for (ptrdiff_t j = 0; j < n; j++)
+#pragma GCC unroll 8
+                for (int v = 0; v < FA_NV; v++)
+                    ST(Vp + j * NR + v * FA_VW, LD(V + j * ldv + c + v * FA_VW));
+            ptrdiff_t rr = 0;
+            for (; rr + FA_MR <= rows; rr += FA_MR)
+                FN(fa_pv_tile_)(FA_MR, FA_NV, P + rr, ldp, n, Vp, NR, O + rr * ldo + c, ldo,
+                                alpha + rr);
+            for (; rr < rows; rr += MRT)
+                FN(fa_pv_tile_)(MRT, FA_NV, P + rr, ldp, n, Vp, NR, O + rr * ldo + c, ldo,
+                                alpha + rr);
+        }
+        if (cN < Ev) {
+            for (; r + FA_MR <= rows; r += FA_MR)
+                FN(fa_pv_rows_)(FA_MR, P + r, ldp, n, V + cN, ldv, Ev - cN, O + r * ldo + cN,
+                                ldo, alpha + r);
+            for (; r < rows; r += MRT)
+                FN(fa_pv_rows_)(MRT, P + r, ldp, n, V + cN, ldv, Ev - cN, O + r * ldo + cN,
+                                ldo, alpha + r);
+        }
         return;
     }
 #endif
