@@ -169,7 +169,8 @@ FA_FN void FN(fa_colmax)(const FA_T *S, ptrdiff_t lds, ptrdiff_t n, ptrdiff_t W,
  * ~3% more work, about half the error. */
 #define FA_PV_CHUNK 32
 #ifndef FA_PV_PACK_KEYS
-#define FA_PV_PACK_KEYS 512               /* keys of fa_pv's packed V strip (stack scratch) */
+/* keys of fa_pv's packed V strip, on the stack: at most 16 KiB (default key blocks: 192) */
+#define FA_PV_PACK_KEYS 256
 #endif
 FA_INL void FN(fa_acc_tile_)(const int MRX, const int NVX, const FA_T *A, ptrdiff_t si,
                              ptrdiff_t sr, ptrdiff_t ni, const FA_T *X, ptrdiff_t ldx, FA_T *O,
