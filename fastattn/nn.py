@@ -47,8 +47,9 @@ _HUGE_PAGE = 2 << 20
 # threads, the same buffers shifted to a 64-byte boundary, interleaved in one process, Zen 4
 # guest on AVX2) read 6-9% faster from an aligned pair of np.zeros arrays (five runs of 12-40
 # rounds each) and 1-5% faster from this class's buffer in four of those runs (1% slower in
-# the fifth).  Which of the two costs it is was not pinned down: the AVX2 decode loading its
-# rows in 16-byte halves (never split) took 1.04-1.05x the time (bench/ab_trees.py).
+# the fifth).  The split loads are not the cost: loading every row as whole aligned vectors
+# (no split) was no faster (bench/results/cython_kernels.md), and in a C harness an offset of
+# 32 bytes, which splits nothing, cost as much as 16; what costs is a row starting mid-line.
 _ALIGN = 64
 
 
