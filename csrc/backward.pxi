@@ -524,6 +524,8 @@ cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept nogi
     cdef ptrdiff_t nbh = p.B * p.Hkv, i, u, c, it, n_items
     cdef int fail = 0
     cdef int *pfail = &fail
+    cdef fa_share share
+    cdef fa_share *pshare = &share
     cdef BwdWork *w = NULL
     cdef ptrdiff_t mr = k_mr(dummy)
     a.W = p.tune.bwd_w
@@ -614,14 +616,21 @@ cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept nogi
                 bwd_item(p, a, w, dummy, it)
             bwd_work_free(w)
     else:
+        # items from a shared counter and a bounded wait at the end, not a prange: with a
+        # sleeping pool each of a prange's two barriers can cost a wake-up (csrc/fa_omp.h)
+        fa_share_init(&share)
+        it = 0                          # firstprivate in the region: set, so it is defined
         with parallel(num_threads=nt):
             w = bwd_work_new(p, a, dummy)
             if w == NULL:
                 pfail[0] = 1
-            for it in prange(n_items, schedule='dynamic'):
+            it = fa_share_next(pshare)
+            while it < n_items:
                 if w != NULL:
                     bwd_item(p, a, w, dummy, it)
+                it = fa_share_next(pshare)
             bwd_work_free(w)
+            fa_share_join(pshare, 300e-6)
     if p.has_sinks and not fail:
         bwd_sinks_sum(p, a, dummy)
     if a.C > 1 and not fail:
@@ -629,9 +638,14 @@ cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept nogi
             for it in range(n_red):
                 bwd_reduce(p, a, dummy, it, rows_per)
         else:
+            fa_share_init(&share)
+            it = 0
             with parallel(num_threads=nt):
-                for it in prange(n_red, schedule='static'):
+                it = fa_share_next(pshare)
+                while it < n_red:
                     bwd_reduce(p, a, dummy, it, rows_per)
+                    it = fa_share_next(pshare)
+                fa_share_join(pshare, 100e-6)
     free(a.kpart)
     free(a.vpart)
     free(a.ubound)

@@ -12,6 +12,11 @@ from cython.parallel cimport prange, parallel
 cdef extern from "fa_omp.h" nogil:
     int FA_OPENMP_ENABLED
     int fa_omp_max_threads()
+    ctypedef struct fa_share:
+        pass
+    void fa_share_init(fa_share *s)
+    ptrdiff_t fa_share_next(fa_share *s)
+    void fa_share_join(fa_share *s, double max_wait_s)
 
 cdef extern from "fa_scratch.h" nogil:
     void *fa_scratch_get(size_t nbytes)

@@ -435,6 +435,8 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
             return -1
     cdef int fail = 0
     cdef int *pfail = &fail
+    cdef fa_share share
+    cdef fa_share *pshare = &share
     cdef Work *w = NULL
     if nt == 1:
         w = work_new_n(p, dummy, n_works)
@@ -445,15 +447,22 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
                 dec_any(p, w, dummy, heads, group, it, nrg, Rcap, nsplit, chunk, part_O, part_ml)
             work_free(w)
     else:
+        # items from a shared counter and a bounded wait at the end, not a prange: with a
+        # sleeping pool each of a prange's two barriers can cost a wake-up (csrc/fa_omp.h)
+        fa_share_init(&share)
+        it = 0                          # firstprivate in the region: set, so it is defined
         with parallel(num_threads=nt):
             w = work_new_n(p, dummy, n_works)
             if w == NULL:
                 pfail[0] = 1
-            for it in prange(n_loop, schedule='dynamic'):
+            it = fa_share_next(pshare)
+            while it < n_loop:
                 if w != NULL:
                     dec_any(p, w, dummy, heads, group, it, nrg, Rcap, nsplit, chunk,
                             part_O, part_ml)
+                it = fa_share_next(pshare)
             work_free(w)
+            fa_share_join(pshare, 50e-6)       # an item takes ~10 us
     if nsplit > 1 and not fail:
         for g in range(n_groups):
             dec_merge(p, dummy, g, nrg, Rcap, nsplit, part_O, part_ml)

@@ -478,14 +478,23 @@ cdef int run_forward(AttnProblem *p, floating *dummy) noexcept nogil:
             fwd_item(p, w, dummy, it, Bq, nqb, lf)
         work_free(w)
         return 0
+    # items from a shared counter and a bounded wait at the end, not a prange: with a sleeping
+    # pool each of a prange's two barriers can cost a wake-up (csrc/fa_omp.h)
+    cdef fa_share share
+    cdef fa_share *pshare = &share
+    fa_share_init(&share)
+    it = 0                              # firstprivate in the region: set, so it is defined
     with parallel(num_threads=nt):
         w = work_new(p, dummy)
         if w == NULL:
             pfail[0] = 1
-        for it in prange(n_items, schedule='dynamic'):
+        it = fa_share_next(pshare)
+        while it < n_items:
             if w != NULL:
                 fwd_item(p, w, dummy, it, Bq, nqb, lf)
+            it = fa_share_next(pshare)
         work_free(w)
+        fa_share_join(pshare, 300e-6)   # an item (a query block) takes ~50-300 us
     return -fail
 
 
