@@ -127,6 +127,24 @@ def test_deterministic(backend, rng):
             assert np.array_equal(a, b)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_every_item_is_done_once_on_any_thread_count(backend, rng, monkeypatch, threads):
+    """Cython's kernels hand their items out through a shared counter (csrc/fa_omp.h); the
+    backward has two such loops when few heads are split into chunks across threads (the items,
+    then the sum of the chunks' dK/dV partials). With 2 and 3 threads (more than this machine's
+    cores, so a thread can be late) the gradients match the float64 reference and the
+    one-thread ones to rounding: an item skipped or done twice would not."""
+    q, k, v, g = qkvg(rng, B=1, Hq=2, L=300, S=300, E=32, dtype=np.float32)
+    monkeypatch.setenv("FASTATTN_NUM_THREADS", "1")
+    fa.reload_environment()
+    one = grads(q, k, v, g, backend, is_causal=True)
+    monkeypatch.setenv("FASTATTN_NUM_THREADS", str(threads))
+    fa.reload_environment()
+    many = check_grads(q, k, v, g, backend, is_causal=True)
+    for name, a, b in zip(("dq", "dk", "dv"), one, many):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5, err_msg=name)
+
+
 def test_float16_in_float16_out(backend, rng):
     q, k, v, g = qkvg(rng, L=20, S=30, dtype=np.float16)
     got = grads(q, k, v, g, backend, is_causal=True)
