@@ -3,15 +3,16 @@
  * links with it; without it the Cython prange loops compile to plain serial loops and the
  * module reports OPENMP_ENABLED = False instead of failing to build.
  *
- * It also holds the work sharing of the short kernels (decode): a loop's items claimed from a
- * shared counter, and a bounded spin at the end, instead of a `prange`.  Why: fastattn loads
- * libgomp with OMP_WAIT_POLICY=passive (fastattn/_process.py), so a thread that reaches one of
- * OpenMP's barriers before the others goes to sleep in the kernel at once, and waking it costs
- * tens of microseconds on a VM; a prange inside `with parallel` has two barriers (the end of
- * its loop and the end of the region).  With these helpers the threads leave the loop without
- * a barrier, wait for each other a bounded time awake (fa_share_join), and so usually reach the
- * region's own barrier together, where nobody sleeps.  The spin yields the core on every round
- * (sched_yield), so a busy machine's other work runs meanwhile.
+ * It also holds the work sharing of the decode, forward and backward kernels: a loop's items
+ * claimed from a shared counter, and a bounded wait at the end, instead of a `prange`.  Why:
+ * fastattn loads libgomp with OMP_WAIT_POLICY=passive (fastattn/_process.py), so a thread that
+ * reaches one of OpenMP's barriers before the others goes to sleep in the kernel at once, and
+ * waking it costs tens of microseconds on a VM; a prange inside `with parallel` has two
+ * barriers (the end of its loop and the end of the region).  With these helpers the threads
+ * leave the loop without a barrier, wait for each other a bounded time awake (fa_share_join),
+ * and so usually reach the region's own barrier together, where nobody sleeps.  That barrier
+ * still orders the items' writes before the code after the region.  The wait yields the core
+ * on every round (sched_yield), so a busy machine's other work runs meanwhile.
  */
 #ifndef FA_OMP_H
 #define FA_OMP_H

@@ -69,10 +69,10 @@ class CythonBackend(CompiledBackend):
     # back in batches of 0.1 s, medians of 15: S = 128 (768 KB) took 67-78 us on two threads
     # against 23 on one, S = 1024 (6.3 MB) 127-133 against 142-145, S = 2048 251 against 332.
     # So with a sleeping pool the bound is 4 MiB, about where one thread's time is twice the
-    # wake-up.  Since the kernels stopped using OpenMP's barriers (csrc/fa_omp.h), two threads
-    # cost less: in one torch-free process, 128 keys 58 us on two against 36 on one, 512 keys
-    # 99 against 102, 1024 keys 138 against 180 (bench/results/openmp_wait.md): the bound
-    # still fits.
+    # wake-up.  Since the kernels stopped sleeping at the end of their loops (csrc/fa_omp.h),
+    # two threads cost less: in one torch-free process, 128 keys 58 us on two against 36 on
+    # one, 512 keys 99 against 102, 1024 keys 138 against 180 (bench/results/openmp_wait.md):
+    # the bound still fits.
     passive_serial_decode_bytes = 4 << 20
     # a KV cache read in place: forward and decode read it (csrc/forward.pxi attend_rows)
     unsupported_backward_options = {
