@@ -26,6 +26,22 @@ def test_matches_classic(backend, rng, dtype, shape, axis):
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_rows_split_across_threads_are_each_done_once(backend, rng, monkeypatch, threads):
+    """Large enough for the compiled kernels to use threads (cython: >= 64k elements per
+    thread), in chunks of rows claimed from a shared counter with a short last chunk
+    (3003 rows): every row matches the classic softmax, masked or not."""
+    monkeypatch.setenv("FASTATTN_NUM_THREADS", str(threads))
+    fa.reload_environment()
+    x = randn(rng, (3, 1001, 67), np.float32, scale=5)
+    np.testing.assert_allclose(fa.softmax(x, backend=backend), classic_softmax(x.astype(np.float64)),
+                               rtol=2e-6, atol=2e-6)
+    keep = rng.random(x.shape) < 0.7
+    got = fa.softmax(x, mask=keep, backend=backend)
+    want = classic_softmax(np.where(keep, x.astype(np.float64), -np.inf))
+    np.testing.assert_allclose(got, np.nan_to_num(want), rtol=2e-6, atol=2e-6)
+
+
 @pytest.mark.parametrize("mask_kind", ["bool", "int01", "float01"])
 def test_mask_conventions(backend, rng, mask_kind):
     x = randn(rng, (3, 4, 50), scale=3)
