@@ -7,7 +7,7 @@ from libc.stdlib cimport malloc, free
 from libc.string cimport memset
 from libc.math cimport exp, log, INFINITY, NAN
 from cython cimport floating
-from cython.parallel cimport prange, parallel
+from cython.parallel cimport parallel
 
 cdef extern from "fa_omp.h" nogil:
     int FA_OPENMP_ENABLED

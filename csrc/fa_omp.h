@@ -1,9 +1,10 @@
 /*
  * fa_omp.h -- OpenMP shim.  setup.py adds -fopenmp only when a probe program compiles and
- * links with it; without it the Cython prange loops compile to plain serial loops and the
- * module reports OPENMP_ENABLED = False instead of failing to build.
+ * links with it; without it the Cython `with parallel` blocks run once, on the calling thread
+ * (the loops below then take every item), and the module reports OPENMP_ENABLED = False
+ * instead of failing to build.
  *
- * It also holds the work sharing of the decode, forward and backward kernels: a loop's items
+ * It also holds the work sharing of the decode, forward, backward and softmax kernels: items
  * claimed from a shared counter, and a bounded wait at the end, instead of a `prange`.  Why:
  * fastattn loads libgomp with OMP_WAIT_POLICY=passive (fastattn/_process.py), so a thread that
  * reaches one of OpenMP's barriers before the others goes to sleep in the kernel at once, and
