@@ -40,6 +40,10 @@ CASES = [
     ("fwd B4 H8 d64 L256", "fwd", 4, 8, 8, 256, 256, 64, False),
     ("bwd B1 H8 d64 L1024", "bwd", 1, 8, 8, 1024, 1024, 64, False),
     ("bwd B1 H8 d64 causal L1024", "bwd", 1, 8, 8, 1024, 1024, 64, True),
+    # the full preset's backward sweep at the lengths where its tiles leave L2
+    ("bwd B1 H4 d64 L2048", "bwd", 1, 4, 4, 2048, 2048, 64, False),
+    ("bwd B1 H4 d64 L4096", "bwd", 1, 4, 4, 4096, 4096, 64, False),
+    ("bwd B1 H4 d64 causal L4096", "bwd", 1, 4, 4, 4096, 4096, 64, True),
     ("decode GQA 32/8 d128 S16384", "decode", 1, 32, 8, 1, 16384, 128, False),
     ("decode MHA 12/12 d64 S1024", "decode", 1, 12, 12, 1, 1024, 64, False),
     ("decode MHA 12/12 d64 S128", "decode", 1, 12, 12, 1, 128, 64, False),
