@@ -1,6 +1,7 @@
 import sys as _sys
 
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_RECORDS, PyBUF_RECORDS_RO
+from cpython.ref cimport PyObject
 
 # The one C struct of a call (AttnProblem), filled once from the kernel record
 # (fastattn/_backends/_kernel_args.py: KernelArgs) by fill_problem.  Every kernel family reads
@@ -12,6 +13,65 @@ from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_RECORDS,
 # was measured: bench/results/cython_kernels.md).
 cdef enum:
     BWD_KEEP_BYTES = 16 << 20
+
+
+# ---- the record by position ------------------------------------------------------------------
+# fill_problem reads the KernelArgs record (fastattn/_backends/_kernel_args.py) by position: a
+# namedtuple's attribute lookup costs ~25 ns in CPython, and the ~30 of each call were a tenth
+# of a planned tiny call (fastattn/_fastpath.py).  The cython backend checks RECORD_FIELDS
+# against KernelArgs._fields when it loads (a field added or moved there must be here too).
+cdef extern from "Python.h":
+    bint PyTuple_Check(object o)
+    Py_ssize_t PyTuple_GET_SIZE(object o)
+    PyObject *PyTuple_GET_ITEM(object o, Py_ssize_t i)
+
+cdef enum:
+    RA_Q
+    RA_K
+    RA_V
+    RA_MASK_KIND
+    RA_MASK_BOOL
+    RA_MASK_FLOAT
+    RA_MASK_STRIDES
+    RA_HAS_ALIBI
+    RA_ALIBI
+    RA_SCALE
+    RA_SOFTCAP
+    RA_Q_OFFSET
+    RA_WIN_LEFT
+    RA_WIN_RIGHT
+    RA_DROPOUT_P
+    RA_SEED
+    RA_DROPOUT_BH0
+    RA_DROPOUT_BH_STRIDE
+    RA_DROPOUT_ROW0
+    RA_DROPOUT_COL0
+    RA_HAS_SINKS
+    RA_SINKS
+    RA_N_THREADS
+    RA_HAS_DELTA
+    RA_DELTA
+    RA_K_STRIDES
+    RA_V_STRIDES
+    RA_HAS_SEQLENS
+    RA_SEQLENS
+    RA_HAS_BLOCK_TABLE
+    RA_BLOCK_TABLE
+    RA_PAGE_SIZE
+    RA_TUNING
+    RA_N
+
+RECORD_FIELDS = (
+    "q", "k", "v", "mask_kind", "mask_bool", "mask_float", "mask_strides", "has_alibi",
+    "alibi", "scale", "softcap", "q_offset", "win_left", "win_right", "dropout_p", "seed",
+    "dropout_bh0", "dropout_bh_stride", "dropout_row0", "dropout_col0", "has_sinks",
+    "sinks", "n_threads", "has_delta", "delta", "k_strides", "v_strides", "has_seqlens",
+    "seqlens", "has_block_table", "block_table", "page_size", "tuning")
+
+
+cdef inline object rf(object a, Py_ssize_t i):
+    """Field i of record a (fill_problem checked that a is a tuple of RA_N fields)."""
+    return <object>PyTuple_GET_ITEM(a, i)
 
 
 ctypedef struct Tune:                # KernelArgs.tuning, defaults applied and checked
@@ -284,8 +344,8 @@ cdef int fill_kv_layout(AttnProblem *p, object a, ptrdiff_t n_pages) except -1:
     cdef ptrdiff_t b, i, n
     p.seqlens = NULL
     p.block_table = NULL
-    if a.has_seqlens:
-        sl = a.seqlens
+    if rf(a, RA_HAS_SEQLENS):
+        sl = rf(a, RA_SEQLENS)
         if sl.shape[0] != p.B:
             raise ValueError(f"attention kernel: seqlens shape ({sl.shape[0]},), expected "
                              f"({p.B},)")
@@ -295,7 +355,7 @@ cdef int fill_kv_layout(AttnProblem *p, object a, ptrdiff_t n_pages) except -1:
                                  f"{p.S}]")
         p.seqlens = &sl[0] if p.B else NULL
     if p.page_size:
-        bt = a.block_table
+        bt = rf(a, RA_BLOCK_TABLE)
         for b in range(p.B):
             n = (seq_keys(p, b) + p.page_size - 1) // p.page_size
             for i in range(n):
@@ -322,21 +382,25 @@ cdef int fill_problem(AttnProblem *p, object a, floating *dummy, Py_ssize_t *out
     segfault) and fill p from it.  outs/lses: shapes of the out/lse arrays of the call.
     Absent masks, slopes, sinks and delta (their flags off) are not looked at: their pointers are
     NULL, and every read of them is behind its flag."""
+    if not PyTuple_Check(a) or PyTuple_GET_SIZE(a) != RA_N:
+        raise TypeError(f"attention kernel: the record must be a KernelArgs ({RA_N} fields), "
+                        f"got {type(a).__name__}")
     cdef char code = b"f" if floating is float else b"d"
     cdef char code_b = b"B"
     cdef Py_ssize_t item = sizeof(floating), item_m
     cdef int d
     cdef ArrView q, k, v, m
-    view_array(a.q, &q, 4, &code, False, True, "q")
+    view_array(rf(a, RA_Q), &q, 4, &code, False, True, "q")
     # k/v: any strides but a contiguous last axis (a KV cache read in place; checked below)
-    view_array(a.k, &k, 4, &code, False, False, "k")
-    view_array(a.v, &v, 4, &code, False, False, "v")
+    view_array(rf(a, RA_K), &k, 4, &code, False, False, "k")
+    view_array(rf(a, RA_V), &v, 4, &code, False, False, "v")
     cdef ptrdiff_t B = q.shape[0], Hq = q.shape[1], L = q.shape[2], E = q.shape[3]
     cdef ptrdiff_t Hkv = k.shape[1], S = k.shape[2], Ev = v.shape[3]
     # paged: k/v are (num_pages, Hkv, page_size, E) and S = max_pages * page_size
-    cdef bint paged = a.has_block_table
-    cdef ptrdiff_t page_size = a.page_size if paged else 0
-    cdef tuple bts = (a.block_table.shape[0], a.block_table.shape[1]) if paged else (0, 0)
+    cdef bint paged = rf(a, RA_HAS_BLOCK_TABLE)
+    cdef ptrdiff_t page_size = rf(a, RA_PAGE_SIZE) if paged else 0
+    cdef object bt = rf(a, RA_BLOCK_TABLE)
+    cdef tuple bts = (bt.shape[0], bt.shape[1]) if paged else (0, 0)
     if (v.shape[0] != k.shape[0] or v.shape[1] != Hkv or v.shape[2] != S or k.shape[3] != E
             or (k.shape[2] != page_size or bts[0] != B if paged else k.shape[0] != B)):
         raise ValueError(f"attention kernel: q {shape4(q.shape)}, k {shape4(k.shape)}, "
@@ -352,8 +416,8 @@ cdef int fill_problem(AttnProblem *p, object a, floating *dummy, Py_ssize_t *out
                          f"byte strides {shape4(k.strides)} and {shape4(v.strides)}")
     cdef int64_t kst[3]
     cdef int64_t vst[3]
-    kv_strides(k.shape, a.k_strides, k.strides, item, kst, "k")
-    kv_strides(v.shape, a.v_strides, v.strides, item, vst, "v")
+    kv_strides(k.shape, rf(a, RA_K_STRIDES), k.strides, item, kst, "k")
+    kv_strides(v.shape, rf(a, RA_V_STRIDES), v.strides, item, vst, "v")
     if Hkv == 0 and Hq != 0 or Hkv != 0 and Hq % Hkv != 0:
         raise ValueError(f"attention kernel: Hq={Hq} is not a multiple of Hkv={Hkv}")
     if (outs[0] != B or outs[1] != Hq or outs[2] != L or outs[3] != Ev
@@ -361,7 +425,7 @@ cdef int fill_problem(AttnProblem *p, object a, floating *dummy, Py_ssize_t *out
         raise ValueError(f"attention kernel: out {shape4(outs)} / lse "
                          f"{(lses[0], lses[1], lses[2])} do not match "
                          f"{(B, Hq, L, Ev)} / {(B, Hq, L)}")
-    cdef int mask_kind = a.mask_kind
+    cdef int mask_kind = rf(a, RA_MASK_KIND)
     if mask_kind not in (0, 1, 2):
         raise ValueError(f"attention kernel: mask_kind must be 0, 1 or 2, got {mask_kind}")
     cdef tuple ms, full, want, mstrides
@@ -370,14 +434,14 @@ cdef int fill_problem(AttnProblem *p, object a, floating *dummy, Py_ssize_t *out
     p.mask_f = NULL
     if mask_kind:
         if mask_kind == 1:
-            view_array(a.mask_bool, &m, 4, &code_b, False, False, "mask_bool")
+            view_array(rf(a, RA_MASK_BOOL), &m, 4, &code_b, False, False, "mask_bool")
             p.mask_b = <const uint8_t *>m.data
         else:
-            view_array(a.mask_float, &m, 4, &code, False, False, "mask_float")
+            view_array(rf(a, RA_MASK_FLOAT), &m, 4, &code, False, False, "mask_float")
             p.mask_f = <const char *>m.data
         ms = shape4(m.shape)
         full = (B, Hq, L, S)
-        want = tuple(a.mask_strides)
+        want = tuple(rf(a, RA_MASK_STRIDES))
         mstrides = shape4(m.strides)
         for d in range(4):
             if ms[d] != 1 and ms[d] != full[d]:
@@ -388,66 +452,66 @@ cdef int fill_problem(AttnProblem *p, object a, floating *dummy, Py_ssize_t *out
         p.msh = mask_stride(ms, want, mstrides, item_m, 1)
         p.msi = mask_stride(ms, want, mstrides, item_m, 2)
         p.msj = mask_stride(ms, want, mstrides, item_m, 3)
-    cdef bint has_alibi = a.has_alibi
+    cdef bint has_alibi = rf(a, RA_HAS_ALIBI)
     p.alibi = NULL
     p.alibi_bs = 0
     if has_alibi:
-        view_array(a.alibi, &m, 2, &code, False, True, "alibi")
+        view_array(rf(a, RA_ALIBI), &m, 2, &code, False, True, "alibi")
         if m.shape[1] != Hq or m.shape[0] not in (1, B):
             raise ValueError(f"attention kernel: alibi shape {(m.shape[0], m.shape[1])}, "
                              f"expected (1 or {B}, {Hq})")
         p.alibi = <const char *>m.data
         p.alibi_bs = Hq if m.shape[0] != 1 else 0
-    cdef bint has_sinks = a.has_sinks
+    cdef bint has_sinks = rf(a, RA_HAS_SINKS)
     p.sinks = NULL
     if has_sinks:
-        view_array(a.sinks, &m, 1, &code, False, True, "sinks")
+        view_array(rf(a, RA_SINKS), &m, 1, &code, False, True, "sinks")
         if m.shape[0] != Hq:
             raise ValueError(f"attention kernel: sinks shape ({m.shape[0]},), expected ({Hq},)")
         p.sinks = <const char *>m.data
-    cdef bint has_delta = a.has_delta
+    cdef bint has_delta = rf(a, RA_HAS_DELTA)
     p.delta = NULL
     if has_delta:
-        view_array(a.delta, &m, 3, &code, False, True, "delta")
+        view_array(rf(a, RA_DELTA), &m, 3, &code, False, True, "delta")
         if (m.shape[0], m.shape[1], m.shape[2]) != (B, Hq, L):
             raise ValueError(f"attention kernel: delta shape {(m.shape[0], m.shape[1], m.shape[2])}"
                              f", expected {(B, Hq, L)}")
         p.delta = <const char *>m.data
-    cdef double dropout_p = a.dropout_p
+    cdef double dropout_p = rf(a, RA_DROPOUT_P)
     if not (0.0 <= dropout_p < 1.0):
         raise ValueError(f"attention kernel: dropout_p={dropout_p} outside [0, 1)")
-    cdef int64_t win_left = a.win_left, win_right = a.win_right
+    cdef int64_t win_left = rf(a, RA_WIN_LEFT), win_right = rf(a, RA_WIN_RIGHT)
     if win_left < 0 or win_right < 0:
         raise ValueError("attention kernel: window sides must be >= 0")
-    p.seed = record_uint32(a.seed, "seed")
-    p.drop_bh0 = record_uint32(a.dropout_bh0, "dropout_bh0")
-    p.drop_bh_stride = record_uint32(a.dropout_bh_stride, "dropout_bh_stride")
-    p.drop_row0 = record_uint32(a.dropout_row0, "dropout_row0")
-    p.drop_col0 = record_uint32(a.dropout_col0, "dropout_col0")
-    fill_tune(&p.tune, a.tuning)
+    p.seed = record_uint32(rf(a, RA_SEED), "seed")
+    p.drop_bh0 = record_uint32(rf(a, RA_DROPOUT_BH0), "dropout_bh0")
+    p.drop_bh_stride = record_uint32(rf(a, RA_DROPOUT_BH_STRIDE), "dropout_bh_stride")
+    p.drop_row0 = record_uint32(rf(a, RA_DROPOUT_ROW0), "dropout_row0")
+    p.drop_col0 = record_uint32(rf(a, RA_DROPOUT_COL0), "dropout_col0")
+    fill_tune(&p.tune, rf(a, RA_TUNING))
     p.B, p.Hq, p.Hkv, p.L, p.S, p.E, p.Ev = B, Hq, Hkv, L, S, E, Ev
     p.G = Hq // Hkv if Hkv else 1
     p.mask_kind = mask_kind
     p.has_alibi = has_alibi
     p.has_sinks = has_sinks
     p.has_delta = has_delta
-    p.scale = a.scale
-    cdef double softcap = a.softcap
+    p.scale = rf(a, RA_SCALE)
+    cdef double softcap = rf(a, RA_SOFTCAP)
     p.softcap = softcap if softcap > 0 else 0.0
-    p.q_offset = a.q_offset
+    p.q_offset = rf(a, RA_Q_OFFSET)
     # an "unbounded" side arrives as L + S + 1; clamp so pos +- w can never overflow int64
     p.wl = min(win_left, L + S + 1)
     p.wr = min(win_right, L + S + 1)
     p.has_dropout = dropout_p > 0
     p.thresh = <uint32_t>min(<double>(dropout_p * 4294967296.0), 4294967295.0)
     p.keep_scale = 1.0 / (1.0 - dropout_p)
-    p.n_threads = a.n_threads
+    p.n_threads = rf(a, RA_N_THREADS)
     p.ksb, p.ksh, p.kss = kst[0], kst[1], kst[2]
     p.vsb, p.vsh, p.vss = vst[0], vst[1], vst[2]
     p.page_size = page_size
     p.bt_ld = bts[1]
     p.seqlens = p.block_table = NULL
-    if a.has_seqlens or paged:
+    if rf(a, RA_HAS_SEQLENS) or paged:
         fill_kv_layout(p, a, k.shape[0])
     # size-0 arrays have no element 0: NULL (never read)
     p.q = <const char *>q.data

@@ -9,7 +9,7 @@ from helpers import assert_close_to_reference, randn
 
 import fastattn as fa
 from fastattn import reference
-from fastattn._backends._kernel_args import forward_outputs, kernel_args
+from fastattn._backends._kernel_args import KernelArgs, forward_outputs, kernel_args
 from fastattn._inputs import make_problem
 from fastattn._tuning import tuning
 
@@ -184,6 +184,29 @@ def test_info(K):
     assert K.simd_levels()[0] == "generic"
     assert isinstance(K.OPENMP_ENABLED, bool)
     assert fa.backends()["cython"].details["openmp"] == K.OPENMP_ENABLED
+
+
+def test_record_read_by_position(K):
+    """fill_problem (csrc/problem.pxi) reads the record by position, not by name: its field list
+    is KernelArgs' own, a record with the fields in that order gives the same result, and
+    anything else is refused with a TypeError before a field is read."""
+    assert K.RECORD_FIELDS == KernelArgs._fields
+    rng = np.random.default_rng(3)
+    q, k, v = randn(rng, (1, 2, 3, 8)), randn(rng, (1, 2, 5, 8)), randn(rng, (1, 2, 5, 8))
+    p = make_problem(q, k, v, is_causal=True)
+    args = kernel_args(p, 1)
+    want, want_lse = run_kernel(K, "forward", p, 1)
+    out, lse = forward_outputs(p)
+    K.forward(tuple(args), out, lse)
+    assert np.array_equal(out, want) and np.array_equal(lse, want_lse)
+    dout = randn(rng, q.shape)
+    grads = [np.empty_like(x) for x in (q, k, v)]
+    for bad in (tuple(args)[:-1], tuple(args) + (0,), list(args), object()):
+        for kernel in ("forward", "decode"):
+            with pytest.raises(TypeError, match="must be a KernelArgs"):
+                getattr(K, kernel)(bad, out, lse)
+        with pytest.raises(TypeError, match="must be a KernelArgs"):
+            K.backward(bad, dout, want, want_lse, *grads, no_sinks(p))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import os
 
 from .. import _process
 from ._compiled import CompiledBackend
+from ._kernel_args import KernelArgs
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,6 +83,12 @@ class CythonBackend(CompiledBackend):
 
     def _load(self) -> None:
         self._k = k = _import_kernels()
+        if tuple(k.RECORD_FIELDS) != KernelArgs._fields:
+            # the extension reads the record by position (csrc/problem.pxi): an extension
+            # built from other sources than this package's would read the wrong fields
+            raise ImportError("fastattn._cykernels was built for another kernel record "
+                              f"(its fields {k.RECORD_FIELDS}, this package's "
+                              f"{KernelArgs._fields}): rebuild it")
         if _process.openmp_passive():
             self.serial_decode_bytes = max(self.serial_decode_bytes,
                                            self.passive_serial_decode_bytes)
