@@ -144,6 +144,12 @@ def main(argv=None) -> int:
     try:
         fa_old = import_tree(args.old, "fastattn_a", tmp)
         fa_new = import_tree(args.new, "fastattn_b", tmp)
+        # Source-built trees link the same libgomp.so.1: the second tree to load it would take
+        # it for another library's spinning one (fastattn/_process.py: passive_openmp_wait) and
+        # choose decode threads for a spinning pool (MHA decode S=128 on two sleeping threads:
+        # 1.7x the time).  Load the old tree's backends first and hand its reading on.
+        fa_old.backends()
+        fa_new._process._state["openmp_passive"] = fa_old._process._state["openmp_passive"]
         kinds = set(args.cases.split(","))
         rng = np.random.default_rng(0)
         print(f"old {args.old}  new {args.new}  rounds {args.rounds}  "
