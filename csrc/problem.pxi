@@ -61,12 +61,46 @@ cdef enum:
     RA_TUNING
     RA_N
 
-RECORD_FIELDS = (
-    "q", "k", "v", "mask_kind", "mask_bool", "mask_float", "mask_strides", "has_alibi",
-    "alibi", "scale", "softcap", "q_offset", "win_left", "win_right", "dropout_p", "seed",
-    "dropout_bh0", "dropout_bh_stride", "dropout_row0", "dropout_col0", "has_sinks",
-    "sinks", "n_threads", "has_delta", "delta", "k_strides", "v_strides", "has_seqlens",
-    "seqlens", "has_block_table", "block_table", "page_size", "tuning")
+# each enum value beside its field's name; RECORD_FIELDS, the names in enum order, is what the
+# backend compares with KernelArgs._fields
+_RA_OF = {
+    "q": RA_Q,
+    "k": RA_K,
+    "v": RA_V,
+    "mask_kind": RA_MASK_KIND,
+    "mask_bool": RA_MASK_BOOL,
+    "mask_float": RA_MASK_FLOAT,
+    "mask_strides": RA_MASK_STRIDES,
+    "has_alibi": RA_HAS_ALIBI,
+    "alibi": RA_ALIBI,
+    "scale": RA_SCALE,
+    "softcap": RA_SOFTCAP,
+    "q_offset": RA_Q_OFFSET,
+    "win_left": RA_WIN_LEFT,
+    "win_right": RA_WIN_RIGHT,
+    "dropout_p": RA_DROPOUT_P,
+    "seed": RA_SEED,
+    "dropout_bh0": RA_DROPOUT_BH0,
+    "dropout_bh_stride": RA_DROPOUT_BH_STRIDE,
+    "dropout_row0": RA_DROPOUT_ROW0,
+    "dropout_col0": RA_DROPOUT_COL0,
+    "has_sinks": RA_HAS_SINKS,
+    "sinks": RA_SINKS,
+    "n_threads": RA_N_THREADS,
+    "has_delta": RA_HAS_DELTA,
+    "delta": RA_DELTA,
+    "k_strides": RA_K_STRIDES,
+    "v_strides": RA_V_STRIDES,
+    "has_seqlens": RA_HAS_SEQLENS,
+    "seqlens": RA_SEQLENS,
+    "has_block_table": RA_HAS_BLOCK_TABLE,
+    "block_table": RA_BLOCK_TABLE,
+    "page_size": RA_PAGE_SIZE,
+    "tuning": RA_TUNING,
+}
+if sorted(_RA_OF.values()) != list(range(RA_N)):
+    raise ImportError("csrc/problem.pxi: _RA_OF must name every RA_ position once")
+RECORD_FIELDS = tuple(sorted(_RA_OF, key=_RA_OF.get))
 
 
 cdef inline object rf(object a, Py_ssize_t i):

@@ -209,6 +209,19 @@ def test_record_read_by_position(K):
             K.backward(bad, dout, want, want_lse, *grads, no_sinks(p))
 
 
+def test_backend_refuses_an_extension_of_another_record(K, monkeypatch):
+    """An extension built from other sources, whose record fields are in another order, would
+    read the wrong fields: the backend does not load it, and says why."""
+    from fastattn._backends import cython_
+
+    class Other:
+        RECORD_FIELDS = K.RECORD_FIELDS[1:] + K.RECORD_FIELDS[:1]
+    monkeypatch.setattr(cython_, "_import_kernels", lambda: Other)
+    be = cython_.CythonBackend()
+    assert not be.available
+    assert "another kernel record" in be.reason and "rebuild" in be.reason
+
+
 # ----------------------------------------------------------------------------------------------
 # backward kernel (csrc/backward.pxi)
 # ----------------------------------------------------------------------------------------------
