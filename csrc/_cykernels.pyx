@@ -5,7 +5,7 @@
 
 Kernel interface: docs/KERNELS.md.  The SIMD work lives in csrc/fa_kernels.h
 (AVX-512 / AVX2 / baseline copies, chosen at import by CPUID); this module does the
-blocking, threading (OpenMP), masking decisions and bookkeeping.
+blocking, threading (its own pool, csrc/fa_pool.h), masking decisions and bookkeeping.
 """
 
 include "common.pxi"
@@ -18,6 +18,7 @@ include "backward.pxi"
 import os as _os
 
 OPENMP_ENABLED = bool(FA_OPENMP_ENABLED)
+POOL_ENABLED = bool(FA_POOL_ENABLED)        # csrc/fa_pool.h: the kernels' threads
 
 _LEVELS = {"generic": 0, "avx2": 1, "avx512": 2}
 _NAMES = {v: k for k, v in _LEVELS.items()}
@@ -53,3 +54,47 @@ if hasattr(_os, "register_at_fork"):
 
 _env = _os.environ.get("FASTATTN_SIMD", "").strip().lower()
 set_simd(_env if _env in _LEVELS else None)
+
+
+# ---- the pool, seen from the tests (csrc/fa_pool.h) ----------------------------------------
+
+ctypedef struct PoolTestJob:
+    int32_t *counts                     # times each item ran
+    ptrdiff_t n_items
+    double item_us                      # busy time per item, so that helpers get to join
+    fa_share share
+
+
+cdef void pool_test_body(void *ctx) noexcept nogil:
+    cdef PoolTestJob *j = <PoolTestJob *>ctx
+    cdef ptrdiff_t it = fa_share_next(&j.share)
+    cdef volatile double x = 0.0
+    cdef ptrdiff_t spin
+    while it < j.n_items:
+        j.counts[it] += 1               # items are claimed once each: no two threads share one
+        for spin in range(<ptrdiff_t>(j.item_us * 300)):
+            x = x + 1.0
+        it = fa_share_next(&j.share)
+
+
+def _pool_selftest(int n_threads, Py_ssize_t n_items, double item_us=0.0):
+    """Run a job of n_items on the pool with up to n_threads threads; returns (list of how
+    often each item ran, how many threads ran the job's body)."""
+    if n_items < 0 or n_threads < 1:
+        raise ValueError(f"_pool_selftest: need n_threads >= 1 and n_items >= 0, got "
+                         f"{n_threads}, {n_items}")
+    cdef PoolTestJob job
+    cdef int ran
+    job.counts = <int32_t *>malloc(max(<Py_ssize_t>1, n_items) * sizeof(int32_t))
+    if job.counts == NULL:
+        raise MemoryError()
+    memset(job.counts, 0, max(<Py_ssize_t>1, n_items) * sizeof(int32_t))
+    job.n_items = n_items
+    job.item_us = item_us
+    fa_share_init(&job.share)
+    with nogil:
+        ran = fa_pool_run(resolve_threads(n_threads, max(<Py_ssize_t>1, n_items)),
+                          pool_test_body, &job)
+    counts = [job.counts[i] for i in range(n_items)]
+    free(job.counts)
+    return counts, ran

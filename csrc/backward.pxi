@@ -520,12 +520,56 @@ cdef void bwd_sinks_sum(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept no
         (<floating *>a.dsinks)[h] = <floating>acc
 
 
+ctypedef struct BwdJob:                  # one backward pass as the pool's threads see it
+    AttnProblem *p
+    BwdArgs *a
+    ptrdiff_t n_items, rows_per
+    int fail
+    fa_share share
+
+
+cdef void bwd_job_body(BwdJob *j, floating *dummy) noexcept nogil:
+    """One thread's part of the items: its scratch, then items until none is left."""
+    cdef BwdWork *w = bwd_work_new(j.p, j.a, dummy)
+    cdef ptrdiff_t it
+    if w == NULL:
+        j.fail = 1
+    it = fa_share_next(&j.share)
+    while it < j.n_items:
+        if w != NULL:
+            bwd_item(j.p, j.a, w, dummy, it)
+        it = fa_share_next(&j.share)
+    bwd_work_free(w)
+
+
+cdef void bwd_red_job_body(BwdJob *j, floating *dummy) noexcept nogil:
+    """One thread's part of the chunk reduction."""
+    cdef ptrdiff_t it = fa_share_next(&j.share)
+    while it < j.n_items:
+        bwd_reduce(j.p, j.a, dummy, it, j.rows_per)
+        it = fa_share_next(&j.share)
+
+
+cdef void bwd_job_f(void *ctx) noexcept nogil:
+    bwd_job_body(<BwdJob *>ctx, <float *>NULL)
+
+
+cdef void bwd_job_d(void *ctx) noexcept nogil:
+    bwd_job_body(<BwdJob *>ctx, <double *>NULL)
+
+
+cdef void bwd_red_job_f(void *ctx) noexcept nogil:
+    bwd_red_job_body(<BwdJob *>ctx, <float *>NULL)
+
+
+cdef void bwd_red_job_d(void *ctx) noexcept nogil:
+    bwd_red_job_body(<BwdJob *>ctx, <double *>NULL)
+
+
 cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept nogil:
     cdef ptrdiff_t nbh = p.B * p.Hkv, i, u, c, it, n_items
     cdef int fail = 0
-    cdef int *pfail = &fail
-    cdef fa_share share
-    cdef fa_share *pshare = &share
+    cdef BwdJob job
     cdef BwdWork *w = NULL
     cdef ptrdiff_t mr = k_mr(dummy)
     a.W = p.tune.bwd_w
@@ -616,21 +660,18 @@ cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept nogi
                 bwd_item(p, a, w, dummy, it)
             bwd_work_free(w)
     else:
-        # items from a shared counter and a bounded wait at the end, not a prange: with a
-        # sleeping pool each of a prange's two barriers can cost a wake-up (csrc/fa_omp.h)
-        fa_share_init(&share)
-        it = 0                          # firstprivate in the region: set, so it is defined
-        with parallel(num_threads=nt):
-            w = bwd_work_new(p, a, dummy)
-            if w == NULL:
-                pfail[0] = 1
-            it = fa_share_next(pshare)
-            while it < n_items:
-                if w != NULL:
-                    bwd_item(p, a, w, dummy, it)
-                it = fa_share_next(pshare)
-            bwd_work_free(w)
-            fa_share_join(pshare, 300e-6)
+        # items from a shared counter, run by the caller and whichever pool helpers are free
+        # (csrc/fa_pool.h): nobody waits for a thread that has not started
+        job.p = p
+        job.a = a
+        job.n_items = n_items
+        job.fail = 0
+        fa_share_init(&job.share)
+        if floating is double:
+            fa_pool_run(nt, bwd_job_d, &job)
+        else:
+            fa_pool_run(nt, bwd_job_f, &job)
+        fail = job.fail
     if p.has_sinks and not fail:
         bwd_sinks_sum(p, a, dummy)
     if a.C > 1 and not fail:
@@ -638,14 +679,13 @@ cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept nogi
             for it in range(n_red):
                 bwd_reduce(p, a, dummy, it, rows_per)
         else:
-            fa_share_init(&share)
-            it = 0
-            with parallel(num_threads=nt):
-                it = fa_share_next(pshare)
-                while it < n_red:
-                    bwd_reduce(p, a, dummy, it, rows_per)
-                    it = fa_share_next(pshare)
-                fa_share_join(pshare, 100e-6)
+            job.n_items = n_red
+            job.rows_per = rows_per
+            fa_share_init(&job.share)
+            if floating is double:
+                fa_pool_run(nt, bwd_red_job_d, &job)
+            else:
+                fa_pool_run(nt, bwd_red_job_f, &job)
     free(a.kpart)
     free(a.vpart)
     free(a.ubound)

@@ -7,7 +7,6 @@ from libc.stdlib cimport malloc, free
 from libc.string cimport memset
 from libc.math cimport exp, log, INFINITY, NAN
 from cython cimport floating
-from cython.parallel cimport parallel
 
 cdef extern from "fa_omp.h" nogil:
     int FA_OPENMP_ENABLED
@@ -16,7 +15,13 @@ cdef extern from "fa_omp.h" nogil:
         pass
     void fa_share_init(fa_share *s)
     ptrdiff_t fa_share_next(fa_share *s)
-    void fa_share_join(fa_share *s, double max_wait_s)
+
+cdef extern from "fa_pool.h" nogil:
+    # the kernels' thread pool: the caller runs the body at once, free helpers join it
+    ctypedef void (*fa_body)(void *ctx) noexcept nogil
+    int FA_POOL_ENABLED
+    int fa_pool_run(int nt, fa_body fn, void *ctx)
+    int fa_pool_helpers()
 
 cdef extern from "fa_scratch.h" nogil:
     void *fa_scratch_get(size_t nbytes)
@@ -126,12 +131,12 @@ cdef inline ptrdiff_t round_up(ptrdiff_t x, ptrdiff_t m) noexcept nogil:
     return (x + m - 1) // m * m
 
 cdef inline int resolve_threads(int n_threads, ptrdiff_t n_items) noexcept nogil:
-    # A forked child of a process that already used libgomp must not enter a parallel region
-    # with > 1 thread (the pool's threads do not exist in the child): run serially there.
+    # A forked child runs serially (the parent's helper threads do not exist there; fa_pool.h
+    # would start new ones, but a child forked from a threaded parent is best kept simple).
     cdef int nt = n_threads
     if nt < 1:
         nt = 1
-    if fa_forked_child or not FA_OPENMP_ENABLED:
+    if fa_forked_child or not FA_POOL_ENABLED:
         nt = 1
     if nt > n_items:
         nt = <int>n_items if n_items > 0 else 1

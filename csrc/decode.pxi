@@ -376,6 +376,39 @@ cdef inline int64_t dec_longest_keys(AttnProblem *p) noexcept nogil:
     return n
 
 
+ctypedef struct DecJob:                  # one decode call as the pool's threads see it
+    AttnProblem *p
+    bint heads, group
+    ptrdiff_t n_loop, nrg, Rcap, nsplit, chunk, n_works
+    void *part_O                        # floating *: partial results of split key ranges
+    void *part_ml
+    int fail
+    fa_share share
+
+
+cdef void dec_job_body(DecJob *j, floating *dummy) noexcept nogil:
+    """One thread's part: its scratch, then items from the counter until none is left."""
+    cdef Work *w = work_new_n(j.p, dummy, j.n_works)
+    cdef ptrdiff_t it
+    if w == NULL:
+        j.fail = 1
+    it = fa_share_next(&j.share)
+    while it < j.n_loop:
+        if w != NULL:
+            dec_any(j.p, w, dummy, j.heads, j.group, it, j.nrg, j.Rcap, j.nsplit, j.chunk,
+                    <floating *>j.part_O, <floating *>j.part_ml)
+        it = fa_share_next(&j.share)
+    work_free(w)
+
+
+cdef void dec_job_f(void *ctx) noexcept nogil:
+    dec_job_body(<DecJob *>ctx, <float *>NULL)
+
+
+cdef void dec_job_d(void *ctx) noexcept nogil:
+    dec_job_body(<DecJob *>ctx, <double *>NULL)
+
+
 cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
     cdef ptrdiff_t R = p.G * p.L
     cdef ptrdiff_t Rcap = min(R, DEC_RCAP)
@@ -434,9 +467,7 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
             free(part_ml)
             return -1
     cdef int fail = 0
-    cdef int *pfail = &fail
-    cdef fa_share share
-    cdef fa_share *pshare = &share
+    cdef DecJob job
     cdef Work *w = NULL
     if nt == 1:
         w = work_new_n(p, dummy, n_works)
@@ -447,22 +478,26 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
                 dec_any(p, w, dummy, heads, group, it, nrg, Rcap, nsplit, chunk, part_O, part_ml)
             work_free(w)
     else:
-        # items from a shared counter and a bounded wait at the end, not a prange: with a
-        # sleeping pool each of a prange's two barriers can cost a wake-up (csrc/fa_omp.h)
-        fa_share_init(&share)
-        it = 0                          # firstprivate in the region: set, so it is defined
-        with parallel(num_threads=nt):
-            w = work_new_n(p, dummy, n_works)
-            if w == NULL:
-                pfail[0] = 1
-            it = fa_share_next(pshare)
-            while it < n_loop:
-                if w != NULL:
-                    dec_any(p, w, dummy, heads, group, it, nrg, Rcap, nsplit, chunk,
-                            part_O, part_ml)
-                it = fa_share_next(pshare)
-            work_free(w)
-            fa_share_join(pshare, 50e-6)       # an item takes ~10 us
+        # items from a shared counter, run by the caller and whichever pool helpers are free
+        # (csrc/fa_pool.h): nobody waits for a thread that has not started
+        job.p = p
+        job.heads = heads
+        job.group = group
+        job.n_loop = n_loop
+        job.nrg = nrg
+        job.Rcap = Rcap
+        job.nsplit = nsplit
+        job.chunk = chunk
+        job.n_works = n_works
+        job.part_O = part_O
+        job.part_ml = part_ml
+        job.fail = 0
+        fa_share_init(&job.share)
+        if floating is double:
+            fa_pool_run(nt, dec_job_d, &job)
+        else:
+            fa_pool_run(nt, dec_job_f, &job)
+        fail = job.fail
     if nsplit > 1 and not fail:
         for g in range(n_groups):
             dec_merge(p, dummy, g, nrg, Rcap, nsplit, part_O, part_ml)

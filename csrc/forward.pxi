@@ -442,6 +442,36 @@ cdef void fwd_item(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t it, ptrdi
     finish_rows(p, w, dummy)
 
 
+ctypedef struct FwdJob:                  # one forward call as the pool's threads see it
+    AttnProblem *p
+    ptrdiff_t n_items, Bq, nqb
+    bint lf
+    int fail
+    fa_share share
+
+
+cdef void fwd_job_body(FwdJob *j, floating *dummy) noexcept nogil:
+    """One thread's part: its scratch, then items from the counter until none is left."""
+    cdef Work *w = work_new(j.p, dummy)
+    cdef ptrdiff_t it
+    if w == NULL:
+        j.fail = 1
+    it = fa_share_next(&j.share)
+    while it < j.n_items:
+        if w != NULL:
+            fwd_item(j.p, w, dummy, it, j.Bq, j.nqb, j.lf)
+        it = fa_share_next(&j.share)
+    work_free(w)
+
+
+cdef void fwd_job_f(void *ctx) noexcept nogil:
+    fwd_job_body(<FwdJob *>ctx, <float *>NULL)
+
+
+cdef void fwd_job_d(void *ctx) noexcept nogil:
+    fwd_job_body(<FwdJob *>ctx, <double *>NULL)
+
+
 cdef int run_forward(AttnProblem *p, floating *dummy) noexcept nogil:
     # causal / sliding window: some rows see fewer keys than others, so items differ in cost
     # (longest first) and smaller query blocks skip more of the masked triangle.  Causal has
@@ -454,7 +484,6 @@ cdef int run_forward(AttnProblem *p, floating *dummy) noexcept nogil:
     cdef ptrdiff_t nqb = (p.L + Bq - 1) // Bq
     cdef ptrdiff_t n_items = p.B * p.Hq * nqb, it
     cdef int fail = 0
-    cdef int *pfail = &fail
     cdef Work *w = NULL
     cdef bint lf = banded
     p.Bk = p.tune.fwd_bk
@@ -478,23 +507,21 @@ cdef int run_forward(AttnProblem *p, floating *dummy) noexcept nogil:
             fwd_item(p, w, dummy, it, Bq, nqb, lf)
         work_free(w)
         return 0
-    # items from a shared counter and a bounded wait at the end, not a prange: with a sleeping
-    # pool each of a prange's two barriers can cost a wake-up (csrc/fa_omp.h)
-    cdef fa_share share
-    cdef fa_share *pshare = &share
-    fa_share_init(&share)
-    it = 0                              # firstprivate in the region: set, so it is defined
-    with parallel(num_threads=nt):
-        w = work_new(p, dummy)
-        if w == NULL:
-            pfail[0] = 1
-        it = fa_share_next(pshare)
-        while it < n_items:
-            if w != NULL:
-                fwd_item(p, w, dummy, it, Bq, nqb, lf)
-            it = fa_share_next(pshare)
-        work_free(w)
-        fa_share_join(pshare, 300e-6)   # an item (a query block) takes ~50-300 us
+    # items from a shared counter, run by the caller and whichever pool helpers are free
+    # (csrc/fa_pool.h): nobody waits for a thread that has not started
+    cdef FwdJob job
+    job.p = p
+    job.n_items = n_items
+    job.Bq = Bq
+    job.nqb = nqb
+    job.lf = lf
+    job.fail = 0
+    fa_share_init(&job.share)
+    if floating is double:
+        fa_pool_run(nt, fwd_job_d, &job)
+    else:
+        fa_pool_run(nt, fwd_job_f, &job)
+    fail = job.fail
     return -fail
 
 

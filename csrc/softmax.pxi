@@ -30,10 +30,18 @@ def softmax_rows(const floating[:, ::1] x, int mask_kind, const uint8_t[:, ::1] 
             softmax_parallel(xp, mp, op, R, C, nt)
 
 
+ctypedef struct SoftmaxJob:              # one softmax_rows call as the pool's threads see it
+    const void *xp                      # const floating *
+    const uint8_t *mp
+    void *op                            # floating *
+    ptrdiff_t R, C, rows
+    fa_share share
+
+
 cdef void softmax_parallel(const floating *xp, const uint8_t *mp, floating *op, ptrdiff_t R,
                            ptrdiff_t C, int nt) noexcept nogil:
-    # Rows in chunks claimed from a shared counter and a bounded wait at the end, not a prange:
-    # with a sleeping pool each of a prange's two barriers can cost a wake-up (csrc/fa_omp.h).
+    # Rows in chunks claimed from a shared counter, run by the caller and whichever pool helpers
+    # are free (csrc/fa_pool.h).
     # 16 chunks per thread: few enough that claiming one costs nothing beside its rows, enough
     # for a late thread to leave little behind.  Above 16 MB, one contiguous chunk per thread:
     # a late thread's ~50 us matter little there, and finer chunks were slower (12 x 1024 x
@@ -43,17 +51,39 @@ cdef void softmax_parallel(const floating *xp, const uint8_t *mp, floating *op, 
     if <double>R * C * sizeof(floating) > 16e6:
         n_chunks = nt
     n_chunks = min(R, n_chunks)
-    cdef ptrdiff_t rows = (R + n_chunks - 1) // n_chunks, it = 0, r = 0, r_end = 0
-    cdef fa_share share
-    cdef fa_share *pshare = &share
-    fa_share_init(&share)
-    with parallel(num_threads=nt):
-        it = fa_share_next(pshare)
-        while it * rows < R:
-            r = it * rows
-            r_end = min(R, r + rows)
-            while r < r_end:
-                k_softmax_row(xp + r * C, mp + r * C if mp != NULL else NULL, op + r * C, C)
-                r = r + 1
-            it = fa_share_next(pshare)
-        fa_share_join(pshare, 50e-6)
+    cdef ptrdiff_t rows = (R + n_chunks - 1) // n_chunks
+    cdef SoftmaxJob job
+    job.xp = xp
+    job.mp = mp
+    job.op = op
+    job.R = R
+    job.C = C
+    job.rows = rows
+    fa_share_init(&job.share)
+    if floating is double:
+        fa_pool_run(nt, softmax_job_d, &job)
+    else:
+        fa_pool_run(nt, softmax_job_f, &job)
+
+
+cdef void softmax_job_body(SoftmaxJob *j, floating *dummy) noexcept nogil:
+    cdef const floating *xp = <const floating *>j.xp
+    cdef floating *op = <floating *>j.op
+    cdef const uint8_t *mp = j.mp
+    cdef ptrdiff_t C = j.C, r, r_end
+    cdef ptrdiff_t it = fa_share_next(&j.share)
+    while it * j.rows < j.R:
+        r = it * j.rows
+        r_end = min(j.R, r + j.rows)
+        while r < r_end:
+            k_softmax_row(xp + r * C, mp + r * C if mp != NULL else NULL, op + r * C, C)
+            r = r + 1
+        it = fa_share_next(&j.share)
+
+
+cdef void softmax_job_f(void *ctx) noexcept nogil:
+    softmax_job_body(<SoftmaxJob *>ctx, <float *>NULL)
+
+
+cdef void softmax_job_d(void *ctx) noexcept nogil:
+    softmax_job_body(<SoftmaxJob *>ctx, <double *>NULL)

@@ -45,6 +45,7 @@ def _info():
     import numpy as np
 
     import fastattn
+    from fastattn import _blas_pools
 
     settings, problems = _settings_report()
     lines = [
@@ -56,6 +57,7 @@ def _info():
     ]
     for b in fastattn.backends().values():
         lines.append(f"  {b}")
+    lines.extend(_blas_pools.report())
     if problems:
         lines.append("problems with the environment settings:")
         lines.extend(f"  {p}" for p in problems)

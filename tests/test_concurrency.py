@@ -141,27 +141,20 @@ import json, sys
 if sys.argv[1] == "torch":
     import torch                       # loads its own libgomp first, spinning by default
 import fastattn as fa
-from fastattn import _process
 from fastattn._backends import registry
 be = registry["cython"]
 info = be.info()
-torch_dir = sys.modules["torch"].__path__[0] if "torch" in sys.modules else None
-own = sorted({line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line
-              and not (torch_dir and line.split()[-1].startswith(torch_dir))})
-print(json.dumps([info.available, info.reason, _process.openmp_passive(),
-                  be.serial_decode_bytes, type(be).serial_decode_bytes,
-                  type(be).passive_serial_decode_bytes, own]))
+print(json.dumps([info.available, info.reason, be.serial_decode_bytes,
+                  type(be).serial_decode_bytes, info.details.get("pool")]))
 """
 
 
-@pytest.mark.parametrize("case", ["own pool", "user spins", "torch first"])
-def test_serial_decode_bound_follows_the_pools_wait_policy(case):
-    """A sleeping OpenMP worker costs a wake-up per two-thread call (~50 us on a VM), so with
-    the libgomp fastattn loads itself (passive) decode stays on the calling thread up to a
-    larger size; when the pool spins (the user's GOMP_SPINCOUNT, or torch's libgomp loaded
-    first and shared: a build against the system's libgomp.so.1), the smaller bound measured
-    with a spinning pool holds.  A wheel that carries its own libgomp loads it beside torch's,
-    passive."""
+@pytest.mark.parametrize("case", ["alone", "user spins", "torch first"])
+def test_serial_decode_bound_does_not_depend_on_openmp(case):
+    """The cython kernels run on their own pool (csrc/fa_pool.h), whose helpers sleep between
+    calls whatever OpenMP runtime is loaded: the bound below which decode stays on the calling
+    thread must not change with torch's libgomp loaded first or the user's GOMP_SPINCOUNT
+    (it did while the kernels ran on OpenMP)."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if case == "user spins":
         env["GOMP_SPINCOUNT"] = "10000"
@@ -172,16 +165,51 @@ def test_serial_decode_bound_follows_the_pools_wait_policy(case):
                          timeout=300, env=env, capture_output=True, text=True,
                          cwd=package_root())
     assert res.returncode == 0, res.stderr[-2000:]
-    available, reason, passive, bound, spin_bound, passive_bound, own = json.loads(
-        res.stdout.split("\n")[-2])
+    available, reason, bound, class_bound, pool = json.loads(res.stdout.split("\n")[-2])
     if not available:
         from conftest import required
         if "cython" in required():
             pytest.fail(f"cython required but unavailable: {reason}")
         pytest.skip(f"cython unavailable: {reason}")
-    if case == "own pool" or (case == "torch first" and own):
-        assert passive is True
-        assert bound == max(spin_bound, passive_bound) > spin_bound
+    assert pool is True
+    assert bound == class_bound == 4 << 20
+
+
+INFO_CHILD = """
+from fastattn.__main__ import info
+print(info())
+"""
+
+
+@pytest.mark.parametrize("timeout", [None, "4"])
+def test_info_reports_spinning_blas_workers(timeout):
+    """`python -m fastattn info` says whether NumPy's BLAS workers spin after each call (they
+    are what an attention call right after `x @ W` competes with) and which setting stops it;
+    it reads the setting the way OpenBLAS does (OPENBLAS_THREAD_TIMEOUT, an exponent)."""
+    from fastattn import _blas_pools
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OPENBLAS_THREAD_TIMEOUT", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    if timeout is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = timeout
+    res = subprocess.run([sys.executable, "-c", INFO_CHILD], timeout=300, env=env,
+                         capture_output=True, text=True, cwd=package_root())
+    assert res.returncode == 0, res.stderr[-2000:]
+    pools = [p for p in _blas_pools.blas_pools()
+             if p["internal_api"] == "openblas" and p.get("threading_layer") == "pthreads"]
+    if not pools or os.cpu_count() < 2:
+        pytest.skip("no multi-threaded pthreads OpenBLAS here")
+    assert "blas pools beside fastattn" in res.stdout
+    if timeout is None:
+        assert "spin for 2**28 cycles" in res.stdout and "OPENBLAS_THREAD_TIMEOUT=4" in res.stdout
+        assert "sleep at once" not in res.stdout
     else:
-        assert passive is False
-        assert bound == spin_bound
+        assert "sleep at once (OPENBLAS_THREAD_TIMEOUT=4)" in res.stdout
+        assert "spin for" not in res.stdout
+
+
+@pytest.mark.parametrize("raw, exponent", [("", None), ("x", None), ("2", 4), ("4", 4),
+                                           ("16", 16), ("40", 30)])
+def test_openblas_spin_exponent_is_read_as_openblas_does(monkeypatch, raw, exponent):
+    from fastattn import _blas_pools
+    monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", raw)
+    assert _blas_pools.openblas_spin_exponent() == exponent

@@ -866,3 +866,44 @@ def test_partial_keys_reach_the_backend(K):
     with pytest.raises(ValueError, match="delta shape"):
         K.backward(kernel_args(p, 1), dout, out, lse, np.empty_like(q), np.empty_like(k),
                    np.empty_like(v), no_sinks(p))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+@pytest.mark.parametrize("n_items", [0, 1, 7, 400])
+def test_pool_runs_every_item_once(K, threads, n_items):
+    """csrc/fa_pool.h: the caller and the helpers that join claim every item exactly once, and
+    no more threads run the job than it asked for (more threads than cores included)."""
+    for _ in range(5):                               # helpers that wake late, or in time
+        counts, ran = K._pool_selftest(threads, n_items, 2.0)
+        assert counts == [1] * n_items
+        assert 1 <= ran <= max(1, min(threads, n_items))
+
+
+def test_pool_from_many_python_threads(K):
+    """Jobs from several Python threads at once: one runs on the pool, the others on their own
+    thread (fa_pool_run's trylock); every item of every job still runs exactly once."""
+    import threading
+    results, errors = [], []
+
+    def work():
+        try:
+            for _ in range(20):
+                results.append(K._pool_selftest(2, 50, 1.0))
+        except Exception as exc:                     # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(results) == 80
+    assert all(counts == [1] * 50 and 1 <= ran <= 2 for counts, ran in results)
+
+
+def test_pool_rejects_bad_arguments(K):
+    with pytest.raises(ValueError, match="n_threads"):
+        K._pool_selftest(0, 3)
+    with pytest.raises(ValueError, match="n_items"):
+        K._pool_selftest(2, -1)

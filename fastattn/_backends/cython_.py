@@ -1,7 +1,8 @@
 """The Cython backend: kernels compiled from csrc/ into fastattn._cykernels.
 
 Register-blocked SIMD kernels (AVX-512 / AVX2 / baseline copies chosen at import by CPUID)
-under OpenMP; no BLAS, so no BLAS thread pool to fight with. Missing in a pure-Python install
+on the extension's own thread pool (csrc/fa_pool.h: the caller works at once, helpers join
+when free, nobody waits for a thread that has not started); no BLAS. Missing in a pure-Python install
 or when the compile failed: fa.backends()["cython"] then says why.
 """
 from __future__ import annotations
@@ -63,18 +64,17 @@ class CythonBackend(CompiledBackend):
     # 10-10.5 on two (a 64 KiB bound).  Not above one core's L2 on a machine whose L2 is
     # smaller.
     serial_decode_bytes = min(128 << 10, l2_bytes_per_core())
-    # ... those measurements had torch in the process, whose libgomp (loaded first) spins
-    # between calls, so the second thread was awake.  fastattn loads its own libgomp with
-    # passive waiting (_process.passive_openmp_wait): then each two-thread call first wakes the
-    # sleeping worker, ~50 us on that guest.  Without torch, 12 heads d = 64, calls back to
-    # back in batches of 0.1 s, medians of 15: S = 128 (768 KB) took 67-78 us on two threads
-    # against 23 on one, S = 1024 (6.3 MB) 127-133 against 142-145, S = 2048 251 against 332.
-    # So with a sleeping pool the bound is 4 MiB, about where one thread's time is twice the
-    # wake-up.  Since the kernels stopped sleeping at the end of their loops (csrc/fa_omp.h),
-    # two threads cost less: in one torch-free process, 128 keys 58 us on two against 36 on
-    # one, 512 keys 99 against 102, 1024 keys 138 against 180 (bench/results/openmp_wait.md):
-    # the bound still fits.
-    passive_serial_decode_bytes = 4 << 20
+    # ... those measurements had torch in the process, whose libgomp spun between calls, so
+    # the second thread was awake.  The kernels now run on their own pool (csrc/fa_pool.h),
+    # whose helpers always sleep between calls, torch or not: a two-thread call first wakes
+    # one, ~50 us on a VM.  The caller no longer waits for it (it starts at once and the
+    # helper joins when it is up), but below a few MiB the helper arrives when the work is
+    # nearly done.  Without torch, with the passive libgomp the pool replaced, 12 heads
+    # d = 64, calls back to back in batches of 0.1 s, medians of 15: S = 128 (768 KB) took
+    # 67-78 us on two threads against 23 on one, S = 1024 (6.3 MB) 127-133 against 142-145,
+    # S = 2048 251 against 332 (bench/results/openmp_wait.md): so the bound is 4 MiB, about
+    # where one thread's time is twice the wake-up.
+    serial_decode_bytes = 4 << 20
     # a KV cache read in place: forward and decode read it (csrc/forward.pxi attend_rows)
     unsupported_backward_options = {
         "kv_strides": "cython's backward reads k/v C-contiguous only",
@@ -89,9 +89,6 @@ class CythonBackend(CompiledBackend):
             raise ImportError("fastattn._cykernels was built for another kernel record "
                               f"(its fields {k.RECORD_FIELDS}, this package's "
                               f"{KernelArgs._fields}): rebuild it")
-        if _process.openmp_passive():
-            self.serial_decode_bytes = max(self.serial_decode_bytes,
-                                           self.passive_serial_decode_bytes)
         self._forward_kernel = k.forward
         self._decode_kernel = k.decode
         self._backward_kernel = k.backward
@@ -104,4 +101,5 @@ class CythonBackend(CompiledBackend):
 
     def details(self) -> dict:
         k = self._k
-        return {"openmp": bool(k.OPENMP_ENABLED), "simd": k.simd(), "max_threads": k.max_threads()}
+        return {"pool": bool(k.POOL_ENABLED), "openmp": bool(k.OPENMP_ENABLED),
+                "simd": k.simd(), "max_threads": k.max_threads()}
