@@ -254,3 +254,46 @@ def test_numpy_loop_threads_script_times_every_setting():
     for r in rows:
         times = [float(t) for t in re.findall(r"(?:step|product|attention) ([0-9.]+)", r)]
         assert len(times) == 3 and all(t > 0 for t in times), r
+
+
+NUMPY_LOOP_CHILD = """
+import json, sys
+from fastattn.bench import numpy_loop
+assert numpy_loop.main(int(sys.argv[1]), 1, sys.argv[2], small=True) == 0
+assert "torch" not in sys.modules
+"""
+
+
+def test_numpy_loop_preset_plumbing(tmp_path):
+    """--preset numpy-loop at tiny sizes, in a fresh process (the preset refuses a process that
+    has torch): every row of both compiled backends has its time alone and after BLAS, the
+    extra and its share of the limit; the files are written."""
+    import subprocess
+    from helpers import package_root
+    res = subprocess.run([sys.executable, "-c", NUMPY_LOOP_CHILD, "2", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, cwd=package_root())
+    assert res.returncode == 0, res.stderr[-3000:]
+    with open(tmp_path / "numpy_loop.json") as f:
+        data = json.load(f)
+    rows = data["rows"]
+    names = {r["name"] for r in rows}
+    assert any(n.startswith("MHA decode") for n in names)
+    assert any(n.startswith("fwd") and "causal" in n for n in names)
+    assert any(n.startswith("bwd") for n in names)
+    import fastattn as fa
+    want = {b for b in ("cython", "numba") if fa.backends()[b].available}
+    for name in names:
+        assert {r["backend"] for r in rows if r["name"] == name} == want
+    for r in rows:
+        assert r["alone_s"] > 0 and r["after_s"] > 0 and r["share_alone"] > 0
+        assert abs(r["extra"]) < 50 and r["limit"] in ("read", "gemm")
+    assert data["meta"]["torch_in_process"] is False and data["meta"]["gemm_gflops"] > 0
+    text = (tmp_path / "numpy_loop.md").read_text()
+    assert "| row | backend | alone | after BLAS | extra |" in text
+
+
+def test_numpy_loop_preset_refuses_a_process_with_torch(monkeypatch):
+    from fastattn.bench import numpy_loop
+    monkeypatch.setitem(sys.modules, "torch", object())
+    with pytest.raises(RuntimeError, match="without torch"):
+        numpy_loop.run(1, 1, small=True)

@@ -1,4 +1,4 @@
-"""python -m fastattn.bench [--preset quick|full|targets|smoke|latency|dask|inference] [options]
+"""python -m fastattn.bench [--preset quick|full|targets|smoke|latency|dask|inference|numpy-loop]
 
 fastattn's backends against torch's CPU SDPA, jax.nn.dot_product_attention and the seed-style
 NumPy code, each measurement in its own process with the same thread count, interleaved, with
@@ -41,7 +41,8 @@ def parse_args(argv):
 
     ap = argparse.ArgumentParser(prog="python -m fastattn.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=list(PRESETS) + ["latency", "dask", "inference"],
+    ap.add_argument("--preset", choices=list(PRESETS) + ["latency", "dask", "inference",
+                                                         "numpy-loop"],
                     default="quick",
                     help="which cases and how many rounds (default: quick): " + "; ".join(
                         f"{p.name}: {p.note}" for p in PRESETS.values())
@@ -49,7 +50,9 @@ def parse_args(argv):
                     "interleaved in one process (a few minutes); dask: 1 vs 2 dask workers vs "
                     "direct calls, forward and backward (a few minutes, needs the dask extra); "
                     "inference: ragged prefill and ragged/paged KV-cache decode against torch "
-                    "padded, in one process")
+                    "padded, in one process; numpy-loop: each row alone and right after a "
+                    "NumPy BLAS call, in a process without torch (add --quick-loop for fewer "
+                    "rows)")
     ap.add_argument("--sweeps", nargs="+", metavar="TEXT",
                     help="only sweeps whose name contains one of these, e.g. decode 'fwd d=64'")
     ap.add_argument("--impls", nargs="+", help="implementations to run (default: every one "
@@ -68,6 +71,7 @@ def parse_args(argv):
                     "are recorded as skipped (default: the preset's; 0 = none)")
     ap.add_argument("--out", help="output directory (default: the preset's)")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--quick-loop", action="store_true", help="numpy-loop: fewer rows")
     ap.add_argument("--readme", help="also rewrite this README's benchmark section")
     return ap.parse_args(argv)
 
@@ -83,6 +87,11 @@ def main(argv=None) -> int:
         from . import dask_scaling
 
         return dask_scaling.main(args.rounds, args.out or "bench/out")
+    if args.preset == "numpy-loop":
+        from . import numpy_loop
+
+        return numpy_loop.main(args.threads, args.rounds, args.out or "bench/out",
+                               quick=args.quick_loop)
     if args.preset == "inference":
         from . import kvcache
 
