@@ -12,9 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import torch_or_skip
-
-torch = torch_or_skip()
+torch = pytest.importorskip("torch", reason="pip install torch==2.13.0 to run the torch tests")
 fat = pytest.importorskip("fastattn.torch")
 F = torch.nn.functional
 

@@ -11,9 +11,7 @@ import copy
 
 import pytest
 
-from conftest import torch_or_skip
-
-torch = torch_or_skip()
+torch = pytest.importorskip("torch", reason="pip install torch==2.13.0 to run the torch tests")
 transformers = pytest.importorskip("transformers", reason="pip install transformers==5.25.0")
 fat = pytest.importorskip("fastattn.torch")
 import fastattn._transformers as fat_tf  # noqa: E402
