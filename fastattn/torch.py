@@ -102,23 +102,30 @@ def _dropout_seed() -> int:
 # ----------------------------------------------------------------------------------------------
 # the op
 # ----------------------------------------------------------------------------------------------
+def _forward(query, key, value, sinks, attn_mask, alibi_slopes, options, return_lse):
+    """fastattn's forward on the tensors' memory: (out tensor, lse array or None, the mask and
+    slopes as arrays)."""
+    arrays = [_as_array(t) for t in (query, key, value)]
+    extra = {"attn_mask": None if attn_mask is None else _as_array(attn_mask),
+             "alibi_slopes": None if alibi_slopes is None else _as_array(alibi_slopes)}
+    sinks_a = None if sinks is None else _as_array(sinks)
+    res = _api.scaled_dot_product_attention(*arrays, **extra, **options, sinks=sinks_a,
+                                            return_lse=return_lse)
+    out, lse = res if return_lse else (res, None)
+    return _as_tensor(out, query.dtype), lse, extra
+
+
 class _Attention(torch.autograd.Function):
     """Forward: fastattn's forward with its lse. Backward: fastattn's backward from q, k, v,
     out and lse (and the dropout seed), which recomputes the weights tile by tile."""
 
     @staticmethod
     def forward(ctx, query, key, value, sinks, attn_mask, alibi_slopes, options):
-        arrays = [_as_array(t) for t in (query, key, value)]
-        extra = {"attn_mask": None if attn_mask is None else _as_array(attn_mask),
-                 "alibi_slopes": None if alibi_slopes is None else _as_array(alibi_slopes),
-                 "sinks": None if sinks is None else _as_array(sinks)}
-        out, lse = _api.scaled_dot_product_attention(*arrays, **extra, **options,
-                                                     return_lse=True)
-        out_t = _as_tensor(out, query.dtype)
-        if any(ctx.needs_input_grad[:4]):
-            ctx.save_for_backward(query, key, value, sinks, out_t, torch.from_numpy(lse))
-            ctx.extra = {"attn_mask": extra["attn_mask"], "alibi_slopes": extra["alibi_slopes"]}
-            ctx.options = options
+        out_t, lse, extra = _forward(query, key, value, sinks, attn_mask, alibi_slopes,
+                                     options, True)
+        ctx.save_for_backward(query, key, value, sinks, out_t, torch.from_numpy(lse))
+        ctx.extra = extra
+        ctx.options = options
         return out_t
 
     @staticmethod
@@ -159,7 +166,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                "window": window, "softcap": softcap, "backend": backend}
     if dropout_p:
         options["rng"] = _dropout_seed()
-    return _Attention.apply(query, key, value, sinks, attn_mask, alibi_slopes, options)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (query, key, value, sinks)):
+        return _Attention.apply(query, key, value, sinks, attn_mask, alibi_slopes, options)
+    # nothing to differentiate (inference, a decode step): no autograd node, no lse kept
+    return _forward(query, key, value, sinks, attn_mask, alibi_slopes, options, False)[0]
 
 
 def register_transformers(name: str = "fastattn") -> str:
