@@ -53,8 +53,10 @@ def main(argv=None) -> int:
 
     def generate(model):
         with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                           max_new_tokens=args.new, min_new_tokens=args.new, pad_token_id=0)
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                 max_new_tokens=args.new, min_new_tokens=args.new,
+                                 pad_token_id=0)
+        assert out.shape == (args.batch, args.prompt + args.new), out.shape
 
     ex.generate_all(models, ids[:, :8], mask[:, :8], 2)       # warm-up
     print(f"small Llama ({args.layers} layers, hidden 256, GQA 8/2, d=32, float32), batch "
