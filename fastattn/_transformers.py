@@ -112,7 +112,11 @@ def fastattn_attention_forward(module, query, key, value, attention_mask, dropou
     repeating K/V. No attention weights are returned (fastattn never forms them)."""
     L, S = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    window_left = sliding_window - 1 if sliding_window else None
+    # transformers' window: a query sees itself and the sliding_window - 1 keys before it. Only
+    # an int is read here (the mask carries the window whatever its form); a model whose
+    # window is something else gets its dense mask
+    window_left = (int(sliding_window) - 1
+                   if isinstance(sliding_window, int) and sliding_window > 0 else None)
     options = {"scale": scaling, "dropout_p": float(dropout or 0.0), "softcap": softcap,
                "enable_gqa": query.shape[1] != key.shape[1], "sinks": s_aux}
     if position_bias is not None:

@@ -19,6 +19,7 @@ except ImportError as exc:          # pragma: no cover - the tests run with torc
                       "(fastattn itself works on NumPy arrays without it)") from exc
 
 import numpy as np
+from torch.autograd.function import once_differentiable
 
 from . import api as _api
 
@@ -129,6 +130,7 @@ class _Attention(torch.autograd.Function):
         return out_t
 
     @staticmethod
+    @once_differentiable     # computed in NumPy: a second derivative must raise, not be 0
     def backward(ctx, grad_out):
         query, key, value, sinks, out, lse = ctx.saved_tensors
         arrays = [_as_array(t) for t in (grad_out, query, key, value, out)]

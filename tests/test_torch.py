@@ -281,3 +281,11 @@ def test_fully_masked_rows_give_zero_and_zero_gradients():
     ref = dense_reference(q, k, v, mask=mask)
     _close(out, ref, 1e-12)
     np.testing.assert_allclose(dv.numpy(), _grads(ref, (q, k, v))[2].numpy(), atol=1e-12)
+
+
+def test_double_backward_raises_instead_of_a_silent_zero():
+    q, k, v = _inputs(B=1, Hq=1, Hkv=1, L=3, S=3, E=2)
+    out = fat.scaled_dot_product_attention(q, k, v)
+    (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError):
+        dq.sum().backward()
