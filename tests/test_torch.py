@@ -289,3 +289,16 @@ def test_double_backward_raises_instead_of_a_silent_zero():
     (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
     with pytest.raises(RuntimeError):
         dq.sum().backward()
+
+
+def test_nothing_of_size_L_by_S_is_kept_for_the_backward():
+    q, k, v = _inputs(B=1, Hq=2, Hkv=2, L=64, S=80, E=4)
+    sinks = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    out = fat.scaled_dot_product_attention(q, k, v, is_causal=True, sinks=sinks)
+    saved = out.grad_fn.saved_tensors
+    # q, k, v, sinks, out and the lse (B, H, L): nothing with an L x S axis pair
+    assert sum(t.numel() for t in saved) == (q.numel() + k.numel() + v.numel() + 2
+                                             + out.numel() + 2 * 64)
+    assert not any(t.shape[-2:] == (64, 80) for t in saved)
+    with torch.no_grad():           # inference: no graph at all
+        assert fat.scaled_dot_product_attention(q, k, v).grad_fn is None
