@@ -1,4 +1,4 @@
-"""A Hugging Face causal LM on the CPU with attn_implementation="fastattn", against "sdpa" and "eager".
+"""A Hugging Face causal LM on the CPU with attn_implementation="fastattn", "sdpa" and "eager".
 
     python examples/transformers_cpu.py [--prompt 512] [--new 32] [--batch 2] [--layers 4]
 
