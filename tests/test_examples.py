@@ -58,3 +58,26 @@ def test_glassllm_generates_the_same_tokens_through_fastattn(lang):
     assert r["n_new"] == 16
     assert r["same_tokens"], r["text"]
     assert r["err_fastattn"] <= r["bound"], r
+
+
+def test_transformers_cpu_generates_eagers_tokens_with_each_implementation(capsys):
+    pytest.importorskip("torch", reason="torch is not installed")
+    pytest.importorskip("transformers", reason="transformers (the test extra) is not installed")
+    mod = load("transformers_cpu")
+    models = mod.build_models(layers=2, hidden=64, heads=4, kv_heads=2, vocab=96)
+    assert models["fastattn"].config._attn_implementation == "fastattn"
+    ids, mask = mod.prompts(2, 24, 96)
+    assert mask[1, :7].sum() == 0 and mask[0].all()          # the second prompt is left-padded
+    results = mod.generate_all(models, ids, mask, 6)
+    eager = results["eager"][0]
+    assert eager.shape == (2, 24 + 6)
+    for impl in ("fastattn", "sdpa"):
+        assert torch_equal(results[impl][0], eager), impl
+    assert mod.main(["--prompt", "16", "--new", "3", "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("same tokens as eager: True") == 3 and "tokens/s" in out
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+    return torch.equal(a, b)
