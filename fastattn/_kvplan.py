@@ -77,8 +77,11 @@ def remember(cache, q, k, v, options) -> None:
         np.ascontiguousarray(q.transpose(tr)), cache.k.transpose(tr), cache.v.transpose(tr),
         seqlens=cache.seqlens, block_table=cache.block_table, is_causal=True,
         fn="attention_with_kvcache")
-    be = _in_place_backend(problem, None)
-    if be is None or not hasattr(be, "forward_plan"):
+    try:
+        be = _in_place_backend(problem, None)
+    except _backends.BackendUnavailableError:
+        return
+    if not hasattr(be, "forward_plan"):
         return
     problem, factor = for_kernels(problem)
     if factor is not None:
@@ -143,7 +146,7 @@ def attend(cache, q, k, v, options):
         sin, inter = options["rotary_sin"], options.get("rotary_interleaved", False)
         k = _rotate(k.reshape(B * n, k.shape[2], E), flat, cos, sin, inter).reshape(k.shape)
         q = _rotate(q.reshape(B * n, Hq, E), flat, cos, sin, inter).reshape(q.shape)
-    _write_new(kc, vc, k, v, lens, table, plan.rows)
+    _write_new(((kc, k), (vc, v)), lens, table, plan.rows)
     # ---- attend: the planned kernel with this call's q and lengths ----
     threads = plan.threads
     if plan.decode and threads > 1:   # the rule of CompiledBackend.decode_threads

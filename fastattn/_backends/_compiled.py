@@ -87,6 +87,10 @@ class CompiledBackend(Backend):
         for attr, why in self.unsupported_options.items():
             if getattr(problem, attr, None) is not None:
                 reasons.append(why)
+        if getattr(problem, "kv_kind", 0):
+            # float16 / bfloat16 / int8 caches (fastattn/_kvdtypes.py): numpy reads them
+            reasons.append(f"{self.name}'s kernels read float32/float64 KV caches only, not "
+                           f"kv_kind {problem.kv_kind} (float16 1, bfloat16 2, int8 3)")
         if op == "backward":
             for attr, why in self.unsupported_backward_options.items():
                 if getattr(problem, attr, None) is not None:
