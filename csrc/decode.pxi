@@ -264,7 +264,7 @@ cdef inline bint dec_one_row_ok(AttnProblem *p) noexcept nogil:
     """fa_decode1.h / fa_decodeg.h serve this call (float32 on AVX-512), or
     fa_decode_avx2.h (float32 on AVX2, head dims multiples of 8); scores with no modifier."""
     return ((fa_decode1_available() or fa_decode_avx2_available(p.E, p.Ev))
-            and p.tune.dec_use_dot and p.mask_kind == 0
+            and p.kv_kind == 0 and p.tune.dec_use_dot and p.mask_kind == 0
             and p.softcap == 0 and not p.has_alibi and not p.has_dropout)
 
 

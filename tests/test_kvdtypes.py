@@ -13,7 +13,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")       # a test extra: bfloat16 runs
 BF16 = np.dtype(ml_dtypes.bfloat16)
 KINDS = {"float16": np.dtype(np.float16), "bfloat16": BF16, "int8": np.dtype(np.int8)}
 # The backends that read each kind in place; the others refuse it by name (auto skips them).
-SERVES = {"float16": {"numpy"}, "bfloat16": {"numpy"}, "int8": {"numpy"}}
+SERVES = {"float16": {"numpy", "cython"}, "bfloat16": {"numpy", "cython"}, "int8": {"numpy", "cython"}}
 TOL = 2e-5                               # the suite's float32 tolerance (tests/test_inference.py)
 
 

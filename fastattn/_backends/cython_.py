@@ -75,6 +75,8 @@ class CythonBackend(CompiledBackend):
     # one, 512 keys 99 against 102, 1024 keys 138 against 180 (bench/results/openmp_wait.md):
     # the bound still fits.
     passive_serial_decode_bytes = 4 << 20
+    # float16, bfloat16 and int8 caches: forward and decode read them (csrc/fa_kvconv.h)
+    kv_kinds = (1, 2, 3)
     # a KV cache read in place: forward and decode read it (csrc/forward.pxi attend_rows)
     unsupported_backward_options = {
         "kv_strides": "cython's backward reads k/v C-contiguous only",

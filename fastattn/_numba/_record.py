@@ -25,7 +25,10 @@ from numpy.lib.stride_tricks import as_strided
 
 from .._backends._kernel_args import KernelArgs
 
-_NESTED = ("mask_strides", "k_strides", "v_strides", "tuning")
+# (the scale strides of a low-precision cache: numba's kernels do not read one, and refuse it
+# in NumbaBackend.not_supported_reasons)
+_NESTED = ("mask_strides", "k_strides", "v_strides", "k_scale_strides", "v_scale_strides",
+           "tuning")
 _FLAT = tuple(f for f in KernelArgs._fields if f not in _NESTED)
 _IDX = tuple(KernelArgs._fields.index(f) for f in _FLAT)
 
