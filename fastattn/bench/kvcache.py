@@ -23,7 +23,10 @@ about BATCH_S seconds, with a pause after the read probe's; medians of per-round
   last-level cache that can hold the working set, the cache is part of "the machine's read
   bandwidth" for both);
 - append: one new token written into caches of two capacities with the same short lengths:
-  a cost that does not grow with the capacity shows that the cache is not copied.
+  a cost that does not grow with the capacity shows that the cache is not copied;
+- cache dtypes: decode (CACHE_DTYPES: every sequence full) over float32, float16 and int8
+  caches of the same tokens, side by side: each one's time over the float32 cache's, and its
+  own bytes (codes + scales for int8) per second as a share of the read probe.
 """
 from __future__ import annotations
 
@@ -286,10 +289,11 @@ def run(threads: int, rounds: int = 7, small: bool = False) -> dict:
                    ragged_decode(torch, rounds, B=3, lo=8, hi=70, Hq=4, Hkv=2, d=8, page=16,
                                  batch_s=0),
                    append_cost(rounds, B=2, Hkv=2, d=8, capacities=(32, 256), held=4,
-                               batch_s=0)]
+                               batch_s=0),
+                   cache_dtypes_decode(rounds, B=2, Hq=4, Hkv=2, d=8, S=64, batch_s=0)]
     else:
         records = [ragged_prefill(torch, rounds), ragged_decode(torch, rounds),
-                   append_cost(rounds)]
+                   append_cost(rounds), cache_dtypes_decode(rounds)]
     meta["load_average_end"] = load_average()
     return {"meta": meta, "records": records}
 
@@ -327,6 +331,11 @@ def markdown(data: dict) -> str:
             if name in r and "gbytes_per_s" in r[name]:
                 ratios.append(f"{name}: {r[name]['gbytes_per_s']:.1f} GB/s of the needed bytes "
                               f"= {100 * r[name]['of_read_bandwidth']:.0f}% of read bandwidth")
+        for name in ("float32 cache", "float16 cache", "int8 cache"):
+            if name in r:
+                ratios.append(f"{name}: {r[name]['gbytes_per_s']:.1f} GB/s of its own bytes = "
+                              f"{100 * r[name]['of_read_bandwidth']:.0f}% of read bandwidth, "
+                              f"{r[name]['vs_float32']:.2f}x the float32 cache's time")
         if "largest_vs_smallest" in r:
             ratios.append(f"largest / smallest capacity {r['largest_vs_smallest']:.2f}")
         lines.append(f"| {r['row']} | {times} | {'; '.join(ratios)} |")
