@@ -139,7 +139,12 @@ def _kernel_layout(cache: np.ndarray) -> bool:
             and not (s0 % item or s1 % item or s2 % item or s3 % item))
 
 
+_NATIVE_CACHE = _NATIVE_FLOATS + (np.dtype(np.float16), np.dtype(np.int8))
+
+
 def _cache_layout(x, name: str, fn: str) -> np.ndarray:
+    if type(x) is np.ndarray and x.dtype in _NATIVE_CACHE and x.ndim == 4:
+        return x                         # the usual call (bfloat16 goes the checked way)
     arr = _kvdtypes.cache_array(x, name, fn)
     if arr.ndim != 4:
         raise ValueError(f"{fn}: {name} must be 4-D (batch, seqlen, heads, head_dim), got shape "
