@@ -137,10 +137,10 @@ class KVCache:
         result = _kvplan.attend(self, q, k, v, options)     # a decode step: fastattn/_kvplan.py
         if result is not _kvplan.MISS:
             return result
-        if self.k_scale is not None:
-            options = dict(options, k_scale=self.k_scale, v_scale=self.v_scale)
+        scales = {} if self.k_scale is None else dict(k_scale=self.k_scale,
+                                                       v_scale=self.v_scale)
         result = attention_with_kvcache(q, self.k, self.v, k, v, cache_seqlens=self.seqlens,
-                                        block_table=self.block_table, **options)
+                                        block_table=self.block_table, **options, **scales)
         if k is not None:
             self.seqlens += np.int32(np.shape(k)[1])
         _kvplan.remember(self, q, k, v, options)

@@ -431,3 +431,46 @@ def test_kvcache_refuses_other_dtypes():
     for bad in (np.int16, np.uint8, np.dtype(">f4"), np.complex64):
         with pytest.raises(TypeError, match="dtype must be float32, float64, float16"):
             fa.KVCache(1, 8, 1, 4, bad)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("page_size", [None, 8])
+def test_kvcache_plans_its_decode_steps_for_each_kind(rng, kind, page_size):
+    """KVCache's per-token path (fastattn/_kvplan.py) serves a float16/bfloat16/int8 cache
+    too (float32 q, k, v): the same writes and the same outputs as the full path, step by
+    step, with the plan in use; a NaN token in an int8 cache goes the full way and is refused
+    with nothing written."""
+    from fastattn import _kvplan
+    B, Hq, Hkv, E = 2, 8, 2, 16
+    ang = np.outer(np.arange(40), 10000.0 ** (-np.arange(0, E // 2, 2) / (E // 2)))
+    rot = dict(rotary_cos=np.cos(ang), rotary_sin=np.sin(ang), rotary_interleaved=True)
+    planned = fa.KVCache(B, 32, Hkv, E, KINDS[kind], page_size=page_size)
+    full = fa.KVCache(B, 32, Hkv, E, KINDS[kind], page_size=page_size)
+    served = []
+    real = _kvplan.attend
+    for step in range(6):
+        q = rng.standard_normal((B, 1, Hq, E)).astype(np.float32)
+        k = rng.standard_normal((B, 1, Hkv, E)).astype(np.float32)
+        v = rng.standard_normal((B, 1, Hkv, E)).astype(np.float32)
+        res = real(planned, q, k, v, rot)
+        if res is _kvplan.MISS:
+            res = planned.attend(q, k, v, **rot)
+        else:
+            served.append(step)
+        want = fa.attention_with_kvcache(q, full.k, full.v, k, v, cache_seqlens=full.seqlens,
+                                         block_table=full.block_table, **rot,
+                                         **scales_kw(full.k_scale, full.v_scale))
+        full.seqlens += 1
+        np.testing.assert_array_equal(res, want)
+        for a, b in ((planned.k, full.k), (planned.v, full.v), (planned.k_scale, full.k_scale)):
+            if a is not None:
+                assert a.tobytes() == b.tobytes()
+    assert served == [1, 2, 3, 4, 5]                      # the first call made the plan
+    if kind == "int8":
+        saved = [a.tobytes() for a in (planned.k, planned.v, planned.k_scale, planned.v_scale)]
+        bad = np.full((B, 1, Hkv, E), np.nan, np.float32)
+        with pytest.raises(ValueError, match="finite"):
+            planned.attend(q, bad, v, **rot)
+        assert [a.tobytes() for a in (planned.k, planned.v, planned.k_scale,
+                                      planned.v_scale)] == saved
+        assert planned.seqlens.tolist() == [6, 6]
