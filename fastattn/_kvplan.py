@@ -44,14 +44,19 @@ def _key(cache, q, k, v, options):
     inter = options.get("rotary_interleaved", False)
     if not (inter is False or inter is True):
         return None
-    # q, k, v in the compute dtype: the cache's, or float32 for a float16/bfloat16/int8 cache
-    dt = cache.dtype if cache.k_scale is None and cache.dtype.kind == "f" and \
-        cache.dtype.itemsize >= 4 else _F32
+    # q, k, v in the cache's dtype; for a float16/bfloat16/int8 cache (computed in float32)
+    # all float32 or all float64
+    dt = cache.dtype
+    if dt not in _FULL:
+        dt = q.dtype
+        if dt not in _FULL:
+            return None
     if q.dtype != dt or k.dtype != dt or v.dtype != dt:
         return None
-    return (q.shape, k.shape, v.shape, rot, inter)
+    return (q.shape, q.dtype, k.shape, v.shape, rot, inter)
 
 
+_FULL = (np.dtype(np.float32), np.dtype(np.float64))
 _F32 = np.dtype(np.float32)
 
 
@@ -80,8 +85,9 @@ def remember(cache, q, k, v, options) -> None:
         return
     tr = (0, 2, 1, 3)
     ks, vs = cache.k_scale, cache.v_scale
+    compute = _F32 if kind.low else q.dtype
     problem = make_cache_problem(
-        np.ascontiguousarray(q.transpose(tr)), cache.k.transpose(tr), cache.v.transpose(tr),
+        np.ascontiguousarray(q.transpose(tr), dtype=compute), cache.k.transpose(tr), cache.v.transpose(tr),
         seqlens=cache.seqlens, block_table=cache.block_table, is_causal=True,
         kv_kind=kind.code, k_scale=None if ks is None else ks.transpose(0, 2, 1),
         v_scale=None if vs is None else vs.transpose(0, 2, 1), fn="attention_with_kvcache")
@@ -175,11 +181,14 @@ def attend(cache, q, k, v, options):
     if plan.decode and threads > 1:   # the rule of CompiledBackend.decode_threads
         keys = sum(total.tolist()) if B <= 64 else int(total.sum())
         threads = be.threads_for_decode_bytes(keys * plan.row_bytes, threads)
-    record = plan.record._replace(q=np.ascontiguousarray(q.transpose(0, 2, 1, 3)),
+    compute = plan.lse_dtype          # (float32 or float64: the compute dtype)
+    record = plan.record._replace(q=np.ascontiguousarray(q.transpose(0, 2, 1, 3),
+                                                         dtype=compute),
                                   seqlens=total, n_threads=threads)
-    out = np.empty(plan.out_shape, q.dtype)
+    out = np.empty(plan.out_shape, compute)
     lse = np.empty(plan.out_shape[:3], plan.lse_dtype)
     _process.note_pool_used()
     plan.kernel(record, out, lse)
     lens[:] = total
-    return out.transpose(0, 2, 1, 3)
+    out = out.transpose(0, 2, 1, 3)
+    return out if out.dtype == q.dtype else out.astype(q.dtype)   # float64 q, low cache

@@ -435,9 +435,11 @@ def test_kvcache_refuses_other_dtypes():
 
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("page_size", [None, 8])
-def test_kvcache_plans_its_decode_steps_for_each_kind(rng, kind, page_size):
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_kvcache_plans_its_decode_steps_for_each_kind(rng, kind, page_size, dtype):
     """KVCache's per-token path (fastattn/_kvplan.py) serves a float16/bfloat16/int8 cache
-    too (float32 q, k, v): the same writes and the same outputs as the full path, step by
+    too (q, k, v all float32 or all float64): the same writes and the same outputs (in q's
+    dtype) as the full path, step by
     step, with the plan in use; a NaN token in an int8 cache goes the full way and is refused
     with nothing written."""
     from fastattn import _kvplan
@@ -449,9 +451,9 @@ def test_kvcache_plans_its_decode_steps_for_each_kind(rng, kind, page_size):
     served = []
     real = _kvplan.attend
     for step in range(6):
-        q = rng.standard_normal((B, 1, Hq, E)).astype(np.float32)
-        k = rng.standard_normal((B, 1, Hkv, E)).astype(np.float32)
-        v = rng.standard_normal((B, 1, Hkv, E)).astype(np.float32)
+        q = rng.standard_normal((B, 1, Hq, E)).astype(dtype)
+        k = rng.standard_normal((B, 1, Hkv, E)).astype(dtype)
+        v = rng.standard_normal((B, 1, Hkv, E)).astype(dtype)
         res = real(planned, q, k, v, rot)
         if res is _kvplan.MISS:
             res = planned.attend(q, k, v, **rot)
@@ -462,13 +464,14 @@ def test_kvcache_plans_its_decode_steps_for_each_kind(rng, kind, page_size):
                                          **scales_kw(full.k_scale, full.v_scale))
         full.seqlens += 1
         np.testing.assert_array_equal(res, want)
+        assert res.dtype == dtype
         for a, b in ((planned.k, full.k), (planned.v, full.v), (planned.k_scale, full.k_scale)):
             if a is not None:
                 assert a.tobytes() == b.tobytes()
     assert served == [1, 2, 3, 4, 5]                      # the first call made the plan
     if kind == "int8":
         saved = [a.tobytes() for a in (planned.k, planned.v, planned.k_scale, planned.v_scale)]
-        bad = np.full((B, 1, Hkv, E), np.nan, np.float32)
+        bad = np.full((B, 1, Hkv, E), np.nan, dtype)
         with pytest.raises(ValueError, match="finite"):
             planned.attend(q, bad, v, **rot)
         assert [a.tobytes() for a in (planned.k, planned.v, planned.k_scale,
