@@ -10,11 +10,13 @@ byte-for-byte as it was. Each sequence attends its own keys only (causal bottom-
 flash-attn does for these functions): a ragged batch costs the sum of its sequences, not
 batch x longest.
 
-`attention_with_kvcache` is one kernel call for the whole batch that reads the cache where it
-is (the kernel record's k/v strides, per-sequence key counts and page table: docs/KERNELS.md)
-when the backend it runs on reads them (cython, numba; numpy, for reference). Otherwise (a
-float16 cache) each sequence's keys are copied into (Hkv, S, E) (a paged cache gathered) and
-run through `scaled_dot_product_attention`. `varlen_attention` runs sequence by sequence.
+`attention_with_kvcache` is check -> write the new tokens -> one kernel call for the whole
+batch, which reads the cache where it is (the kernel record's k/v strides, per-sequence key
+counts and page table: docs/KERNELS.md), in every cache dtype (float32/float64, and float16,
+bfloat16, int8 with scales: the table in fastattn/_kvdtypes.py). A backend that does not read
+a problem says why (not_supported_reasons): auto takes the next, a backend named raises. Only
+a cache the kernels cannot address (head_dim not contiguous) is read from a contiguous copy.
+`varlen_attention` runs sequence by sequence.
 """
 from __future__ import annotations
 
