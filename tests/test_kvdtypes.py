@@ -13,7 +13,9 @@ ml_dtypes = pytest.importorskip("ml_dtypes")       # a test extra: bfloat16 runs
 BF16 = np.dtype(ml_dtypes.bfloat16)
 KINDS = {"float16": np.dtype(np.float16), "bfloat16": BF16, "int8": np.dtype(np.int8)}
 # The backends that read each kind in place; the others refuse it by name (auto skips them).
-SERVES = {"float16": {"numpy", "cython"}, "bfloat16": {"numpy", "cython"}, "int8": {"numpy", "cython"}}
+# numba reads them in its decode (up to 16 query rows per head: every case below), not in its
+# tiled forward (test_numba_refuses_a_low_precision_prefill).
+SERVES = {kind: {"numpy", "cython", "numba"} for kind in ("float16", "bfloat16", "int8")}
 TOL = 2e-5                               # the suite's float32 tolerance (tests/test_inference.py)
 
 
@@ -477,3 +479,22 @@ def test_kvcache_plans_its_decode_steps_for_each_kind(rng, kind, page_size, dtyp
         assert [a.tobytes() for a in (planned.k, planned.v, planned.k_scale,
                                       planned.v_scale)] == saved
         assert planned.seqlens.tolist() == [6, 6]
+
+
+def test_numba_refuses_a_low_precision_prefill(rng):
+    """numba's tiled forward does not read a float16/bfloat16/int8 cache: named, it refuses
+    with its reason and writes nothing; auto takes cython (or numpy) instead."""
+    if not fa.backends()["numba"].available:
+        pytest.skip("numba is not available")
+    kc, ks = make_cache(rng, "int8", (1, 64, 2, 16))
+    vc, vs = make_cache(rng, "int8", (1, 64, 2, 16))
+    q = rng.standard_normal((1, 40, 4, 16)).astype(np.float32)
+    k = rng.standard_normal((1, 40, 2, 16)).astype(np.float32)
+    saved = [a.tobytes() for a in (kc, vc, ks, vs)]
+    with pytest.raises(BackendUnavailableError, match="decode only"):
+        fa.attention_with_kvcache(q, kc, vc, k, k, cache_seqlens=3, k_scale=ks, v_scale=vs,
+                                  backend="numba")
+    assert [a.tobytes() for a in (kc, vc, ks, vs)] == saved
+    out = fa.attention_with_kvcache(q, kc, vc, k, k, cache_seqlens=3, k_scale=ks, v_scale=vs)
+    want, _ = dense(q[0], held(kc[0, :43], ks[0, :43]), held(vc[0, :43], vs[0, :43]))
+    np.testing.assert_allclose(out[0], want, rtol=TOL, atol=TOL)
