@@ -31,6 +31,15 @@ cdef extern from "fa_decode_avx2.h" nogil:
                            float scale, float *m, float *l, float *O, ptrdiff_t ldo, int pf_kind,
                            const float *Kpf, const float *Vpf, ptrdiff_t npf)
 
+cdef extern from "fa_decode_lowp.h" nogil:
+    int fa_decode_lowp_available(ptrdiff_t E, ptrdiff_t Ev)
+    void fa_decode_lowp_avx2(int kv_kind, int R, const float *q, ptrdiff_t ldq, const void *K,
+                             ptrdiff_t ldk, const void *V, ptrdiff_t ldv, const float *ks,
+                             ptrdiff_t ldks, const float *vs, ptrdiff_t ldvs, ptrdiff_t n,
+                             ptrdiff_t E, ptrdiff_t Ev, float scale, float *m, float *l, float *O,
+                             ptrdiff_t ldo, int pf_kind, const void *Kpf, const void *Vpf,
+                             ptrdiff_t npf)
+
 # Keys per block (tune.dec_bk, default 48): small enough that a block's V (Bk x Ev floats)
 # stays in L1 across the P·V column panels, a multiple of the 12-row key strip so fa_qk never
 # copies a tail strip; the next block's prefetch is spread over the compute (attend_rows'
@@ -45,6 +54,8 @@ cdef enum:
     # 4.9 GB/s at 32 keys with prefetch, 9.1-9.4 at 8 keys without (4: 7.2-8.5, 16: 6.0).
     # That run had it off at 8 keys too (5.5-5.8 with it); see dec1_prefetch for why it is on.
     DEC_HG_BK_AVX2 = 8
+    # ... and fa_decode_lowp.h's (a low-precision cache: its rows are 2-4x shorter)
+    DEC_HG_BK_LOWP = 8
 
 
 cdef void dec_rows(AttnProblem *p, ptrdiff_t g, ptrdiff_t nrg, ptrdiff_t Rcap, ptrdiff_t *b,
@@ -64,7 +75,7 @@ cdef void dec_item(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t it, ptrdi
     dec_rows(p, g, nrg, Rcap, &b, &hk, &r0, &rows)
     cdef int64_t qo = seq_q_offset(p, b), nk = seq_keys(p, b)
     cdef int64_t pmin = qo + p.L, pmax = qo - 1
-    cdef int64_t jlo, jhi, end, ko, vo, n, ahead
+    cdef int64_t jlo, jhi, end, ko, vo, n, ahead, kc = 0, vc = 0
     if floating is float:
         if dec_group_ok(p, rows):
             # one query position for the rows of the group (MHA: one row, fa_decode1.h; GQA:
@@ -76,10 +87,12 @@ cdef void dec_item(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t it, ptrdi
             jhi = min(min((c + 1) * chunk, nk), qo + p.wr + 1)
             while jlo < jhi:
                 end = min(kv_segment(p, b, jlo, &ko, &vo), jhi)
+                if p.ksc != NULL:
+                    kv_scale_offsets(p, b, jlo, &kc, &vc)
                 n = end - jlo
                 ahead = dec1_ahead(p)
                 dec_group_run(p, w, hk, ko, vo, n, ko + ahead * p.kss, vo + ahead * p.vss,
-                              n - ahead)
+                              n - ahead, kc, vc)
                 jlo = end
             dec_item_done(p, w, dummy, it, rows, nsplit, Rcap, part_O, part_ml)
             return
@@ -133,7 +146,7 @@ cdef void dec_heads_group(AttnProblem *p, Work *w0, floating *dummy, ptrdiff_t s
     keys, for all kv heads in turn, so the rows of a block are read in memory order."""
     cdef ptrdiff_t c = su % nsplit, b = su // nsplit, hk, n
     cdef int64_t qo = seq_q_offset(p, b), nk = seq_keys(p, b), jlo, jhi, end, ko, vo
-    cdef int64_t jp, pko = 0, pvo = 0, npf
+    cdef int64_t jp, pko = 0, pvo = 0, npf, kc = 0, vc = 0
     for hk in range(p.Hkv):
         dec_group_start(p, work_at(w0, hk), dummy, b, hk, p.G)
     jlo = max(c * chunk, max(<int64_t>0, qo - p.wl))
@@ -147,8 +160,10 @@ cdef void dec_heads_group(AttnProblem *p, Work *w0, floating *dummy, ptrdiff_t s
         npf = 0
         if jp < jhi:
             npf = min(min(<int64_t>n, kv_segment(p, b, jp, &pko, &pvo) - jp), jhi - jp)
+        if p.ksc != NULL:
+            kv_scale_offsets(p, b, jlo, &kc, &vc)
         for hk in range(p.Hkv):
-            dec_group_run(p, work_at(w0, hk), hk, ko, vo, n, pko, pvo, npf)
+            dec_group_run(p, work_at(w0, hk), hk, ko, vo, n, pko, pvo, npf, kc, vc)
         jlo += n
     for hk in range(p.Hkv):
         dec_item_done(p, work_at(w0, hk), dummy, (b * p.Hkv + hk) * nsplit + c, p.G, nsplit,
@@ -237,10 +252,26 @@ cdef void dec_group_start(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b,
 
 
 cdef inline void dec_group_run(AttnProblem *p, Work *w, ptrdiff_t hk, int64_t ko, int64_t vo,
-                               ptrdiff_t n, int64_t pko, int64_t pvo, int64_t npf) noexcept nogil:
+                               ptrdiff_t n, int64_t pko, int64_t pvo, int64_t npf, int64_t kc,
+                               int64_t vc) noexcept nogil:
     """n keys stored from element offsets ko / vo (kv_segment, kv head 0) against w's group
-    rows, prefetching meanwhile up to npf key rows stored from pko / pvo (same strides)."""
+    rows, prefetching meanwhile up to npf key rows stored from pko / pvo (same strides).  A
+    low-precision cache: its own kernel (fa_decode_lowp.h), the int8 scales of the first key
+    at element offsets kc / vc (kv_scale_offsets, kv head 0)."""
     cdef const float *q = <const float *>p.q + w.orow[0] * p.E
+    cdef ptrdiff_t item
+    if p.kv_kind:
+        item = 1 if p.kv_kind == 3 else 2
+        fa_decode_lowp_avx2(p.kv_kind, <int>w.rows, q, p.E,
+                            p.k + (ko + hk * p.ksh) * item, p.kss,
+                            p.v + (vo + hk * p.vsh) * item, p.vss,
+                            p.ksc + kc + hk * p.kch if p.ksc != NULL else NULL, p.kcs,
+                            p.vsc + vc + hk * p.vch if p.vsc != NULL else NULL, p.vcs,
+                            n, p.E, p.Ev, <float>p.scale, <float *>w.m, <float *>w.l,
+                            <float *>w.O, p.ldo, dec1_prefetch(p),
+                            p.k + (pko + hk * p.ksh) * item, p.v + (pvo + hk * p.vsh) * item,
+                            npf)
+        return
     cdef const float *K = <const float *>p.k + ko + hk * p.ksh
     cdef const float *V = <const float *>p.v + vo + hk * p.vsh
     if not fa_decode1_available():          # the AVX2 copy (dec_one_row_ok)
@@ -263,6 +294,11 @@ cdef inline void dec_group_run(AttnProblem *p, Work *w, ptrdiff_t hk, int64_t ko
 cdef inline bint dec_one_row_ok(AttnProblem *p) noexcept nogil:
     """fa_decode1.h / fa_decodeg.h serve this call (float32 on AVX-512), or
     fa_decode_avx2.h (float32 on AVX2, head dims multiples of 8); scores with no modifier."""
+    if p.kv_kind:
+        # a low-precision cache: fa_decode_lowp.h, with the same conditions
+        return (fa_decode_lowp_available(p.E, p.Ev) and p.tune.dec_use_dot
+                and p.mask_kind == 0 and p.softcap == 0 and not p.has_alibi
+                and not p.has_dropout)
     return ((fa_decode1_available() or fa_decode_avx2_available(p.E, p.Ev))
             and p.tune.dec_use_dot and p.mask_kind == 0
             and p.softcap == 0 and not p.has_alibi and not p.has_dropout)
@@ -450,7 +486,8 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
         if p.tune.dec_bk_set:
             p.Bk = p.tune.dec_bk
         else:
-            p.Bk = DEC_HG_BK if fa_decode1_available() else DEC_HG_BK_AVX2
+            p.Bk = (DEC_HG_BK_LOWP if p.kv_kind else DEC_HG_BK if fa_decode1_available()
+                    else DEC_HG_BK_AVX2)
     p.prefetch = 2 if p.tune.dec_pf_kind < 0 else p.tune.dec_pf_kind
     p.pf_ahead = p.tune.dec_pf_ahead if p.tune.dec_pf_ahead else p.Bk
     cdef ptrdiff_t chunk = round_up((keys + nsplit - 1) // nsplit, p.Bk) if keys else 1

@@ -27,6 +27,12 @@
 # (fa_pv's summation chunk).
 
 
+cdef extern from "fa_kvconv.h" nogil:
+    void fa_kv_rows_f32(int kind, const void *base, int64_t off, ptrdiff_t ld, ptrdiff_t n,
+                        ptrdiff_t E, const float *scale, ptrdiff_t lds, float *dst,
+                        ptrdiff_t ldd)
+
+
 ctypedef struct Work:                # per-thread scratch, one buffer (fa_scratch.h)
     char *base
     char *Qt                         # packed query block, panels [W/pw][E][pw]
@@ -38,7 +44,8 @@ ctypedef struct Work:                # per-thread scratch, one buffer (fa_scratc
     char *cmax
     char *slope
     char *kpad                       # last partial strip of K rows, [MR][E]
-    char *kbuf                       # a block's K rows gathered across pages, [Bk][E] (paged)
+    char *kbuf                       # a block's K rows gathered across pages, [Bk][E] (paged),
+                                     #   or converted to float32 (a low-precision cache)
     char *vbuf                       #   and its V rows, [Bk][Ev]
     size_t stride                    # bytes from one Work to the next (work_new_n)
     int64_t *pos                     # query position (i + q_offset) per lane
@@ -76,8 +83,8 @@ cdef Work *work_new_n(AttnProblem *p, floating *dummy, ptrdiff_t n) noexcept nog
     sz[9] = sz[10] = sz[11] = _al(p.Wcap * 8)
     sz[12] = _al(p.Wcap * 4)
     sz[13] = _al(sizeof(Work))
-    sz[14] = _al(p.Bk * p.E * t) if p.page_size else 0
-    sz[15] = _al(p.Bk * p.Ev * t) if p.page_size else 0
+    sz[14] = _al(p.Bk * p.E * t) if p.page_size or p.kv_kind else 0
+    sz[15] = _al(p.Bk * p.Ev * t) if p.page_size or p.kv_kind else 0
     cdef size_t total = 0, i
     for i in range(16):
         total += sz[i]
@@ -219,6 +226,14 @@ cdef void block_kv(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, ptrdif
     cdef int64_t ko, vo, end = kv_segment(p, b, j0, &ko, &vo), j = j0, cnt, r = 0, i, e
     cdef const floating *src
     cdef floating *dst
+    if floating is float:
+        if p.kv_kind:
+            block_kv_convert(p, w, b, hk, j0, n)
+            K[0] = <const floating *>w.kbuf
+            V[0] = <const floating *>w.vbuf
+            ldk[0] = p.E
+            ldv[0] = p.Ev
+            return
     if j0 + n <= end:
         K[0] = <const floating *>p.k + ko + hk * p.ksh
         V[0] = <const floating *>p.v + vo + hk * p.vsh
@@ -246,11 +261,50 @@ cdef void block_kv(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b, ptrdif
     ldv[0] = p.Ev
 
 
+cdef inline void kv_scale_offsets(AttnProblem *p, ptrdiff_t b, int64_t j, int64_t *kc,
+                                  int64_t *vc) noexcept nogil:
+    """Element offsets in k_scale / v_scale of key j of sequence b (kv head 0): kv_segment's
+    place in the scales' strides."""
+    cdef int64_t pg, r
+    if p.block_table == NULL:
+        kc[0] = b * p.kcb + j * p.kcs
+        vc[0] = b * p.vcb + j * p.vcs
+        return
+    r = j % p.page_size
+    pg = p.block_table[b * p.bt_ld + j // p.page_size]
+    kc[0] = pg * p.kcb + r * p.kcs
+    vc[0] = pg * p.vcb + r * p.vcs
+
+
+cdef void block_kv_convert(AttnProblem *p, Work *w, ptrdiff_t b, ptrdiff_t hk, int64_t j0,
+                           ptrdiff_t n) noexcept nogil:
+    """Keys [j0, j0 + n) of kv head (b, hk) of a low-precision cache, page by page, as
+    float32 rows in the thread's kbuf / vbuf (fa_kvconv.h): a block at a time, so the tile
+    code reads them as it reads a float32 cache, and never more than a block is converted."""
+    cdef int64_t ko, vo, kc = 0, vc = 0, end, j = j0, cnt, r = 0
+    while r < n:
+        end = kv_segment(p, b, j, &ko, &vo)
+        cnt = min(end - j, n - r)
+        if p.ksc != NULL:
+            kv_scale_offsets(p, b, j, &kc, &vc)
+        fa_kv_rows_f32(p.kv_kind, p.k, ko + hk * p.ksh, p.kss, cnt, p.E,
+                       p.ksc + kc + hk * p.kch if p.ksc != NULL else NULL, p.kcs,
+                       <float *>w.kbuf + r * p.E, p.E)
+        fa_kv_rows_f32(p.kv_kind, p.v, vo + hk * p.vsh, p.vss, cnt, p.Ev,
+                       p.vsc + vc + hk * p.vch if p.vsc != NULL else NULL, p.vcs,
+                       <float *>w.vbuf + r * p.Ev, p.Ev)
+        r += cnt
+        j += cnt
+
+
 cdef void prefetch_keys(AttnProblem *p, floating *dummy, ptrdiff_t b, ptrdiff_t hk, int64_t j,
                         int64_t n, bint values) noexcept nogil:
-    """Prefetch the K (values: V) rows of keys [j, j + n) of kv head (b, hk), page by page."""
+    """Prefetch the K (values: V) rows of keys [j, j + n) of kv head (b, hk), page by page.
+    (Not for a low-precision cache: its rows are converted a block at a time, block_kv.)"""
     cdef int64_t ko, vo, end, cnt
     cdef ptrdiff_t len = p.Ev if values else p.E
+    if p.kv_kind:
+        return
     while n > 0:
         end = kv_segment(p, b, j, &ko, &vo)
         cnt = min(end - j, n)

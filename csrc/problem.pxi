@@ -58,6 +58,11 @@ cdef enum:
     RA_HAS_BLOCK_TABLE
     RA_BLOCK_TABLE
     RA_PAGE_SIZE
+    RA_KV_KIND
+    RA_K_SCALE
+    RA_V_SCALE
+    RA_K_SCALE_STRIDES
+    RA_V_SCALE_STRIDES
     RA_TUNING
     RA_N
 
@@ -96,6 +101,11 @@ _RA_OF = {
     "has_block_table": RA_HAS_BLOCK_TABLE,
     "block_table": RA_BLOCK_TABLE,
     "page_size": RA_PAGE_SIZE,
+    "kv_kind": RA_KV_KIND,
+    "k_scale": RA_K_SCALE,
+    "v_scale": RA_V_SCALE,
+    "k_scale_strides": RA_K_SCALE_STRIDES,
+    "v_scale_strides": RA_V_SCALE_STRIDES,
     "tuning": RA_TUNING,
 }
 if sorted(_RA_OF.values()) != list(range(RA_N)):
@@ -158,6 +168,14 @@ ctypedef struct AttnProblem:
     const int32_t *seqlens           # (B,) keys of each sequence, or NULL: S each
     const int32_t *block_table       # (B, bt_ld) pages of each sequence, or NULL: not paged
     int64_t bt_ld, page_size
+    # a low-precision cache (KernelArgs kv_kind; float32 compute only): k/v hold float16 (1) or
+    # bfloat16 (2) bits, or int8 codes (3) whose key j reads float32(code) * ksc[...]; their
+    # element offsets (ksb ...) count stored elements.  The scales' element strides: batch or
+    # page, head, position (kv_segment's row r of page pg is at pg * kcb + r * kcs).
+    int kv_kind
+    const float *ksc
+    const float *vsc
+    int64_t kcb, kch, kcs, vcb, vch, vcs
     int n_threads
     Tune tune
     # set by the kernel family before its loop
@@ -325,7 +343,8 @@ cdef int view_array(object obj, ArrView *v, int ndim, char *code, bint writable,
             fmt += 1
         if code[0] == 0 and (fmt[0] == b"f" or fmt[0] == b"d"):
             code[0] = fmt[0]
-        itemsize = 4 if code[0] == b"f" else 8 if code[0] == b"d" else 1
+        itemsize = (4 if code[0] == b"f" else 8 if code[0] == b"d" else 2 if code[0] == b"H"
+                    else 1)
         if fmt[0] != code[0] or fmt[1] != 0 or b.itemsize != itemsize:
             raise ValueError(f"attention kernel: {name} has elements of buffer format "
                              f"{(<bytes>fmt0).decode()!r}, "
@@ -423,11 +442,21 @@ cdef int fill_problem(AttnProblem *p, object a, floating *dummy, Py_ssize_t *out
     cdef char code_b = b"B"
     cdef Py_ssize_t item = sizeof(floating), item_m
     cdef int d
-    cdef ArrView q, k, v, m
+    cdef ArrView q, k, v, m, ks, vs
     view_array(rf(a, RA_Q), &q, 4, &code, False, True, "q")
-    # k/v: any strides but a contiguous last axis (a KV cache read in place; checked below)
-    view_array(rf(a, RA_K), &k, 4, &code, False, False, "k")
-    view_array(rf(a, RA_V), &v, 4, &code, False, False, "v")
+    # k/v: any strides but a contiguous last axis (a KV cache read in place; checked below),
+    # of the compute dtype or as a low-precision cache stores them
+    cdef int kv_kind = rf(a, RA_KV_KIND)
+    cdef char kv_code = code
+    cdef Py_ssize_t kv_item = item
+    if kv_kind:
+        if floating is double or kv_kind not in (1, 2, 3):
+            raise ValueError(f"attention kernel: kv_kind {kv_kind} must be 0, or 1-3 with "
+                             f"float32 q/out")
+        kv_code = b"H" if kv_kind != 3 else b"b"
+        kv_item = 2 if kv_kind != 3 else 1
+    view_array(rf(a, RA_K), &k, 4, &kv_code, False, False, "k")
+    view_array(rf(a, RA_V), &v, 4, &kv_code, False, False, "v")
     cdef ptrdiff_t B = q.shape[0], Hq = q.shape[1], L = q.shape[2], E = q.shape[3]
     cdef ptrdiff_t Hkv = k.shape[1], S = k.shape[2], Ev = v.shape[3]
     # paged: k/v are (num_pages, Hkv, page_size, E) and S = max_pages * page_size
@@ -445,13 +474,31 @@ cdef int fill_problem(AttnProblem *p, object a, floating *dummy, Py_ssize_t *out
         raise ValueError(f"attention kernel: page_size {page_size} must be > 0")
     if paged:
         S = bts[1] * page_size
-    if E > 1 and k.strides[3] != item or Ev > 1 and v.strides[3] != item:
+    if E > 1 and k.strides[3] != kv_item or Ev > 1 and v.strides[3] != kv_item:
         raise ValueError(f"attention kernel: the last axis of k and v must be contiguous, got "
                          f"byte strides {shape4(k.strides)} and {shape4(v.strides)}")
     cdef int64_t kst[3]
     cdef int64_t vst[3]
-    kv_strides(k.shape, rf(a, RA_K_STRIDES), k.strides, item, kst, "k")
-    kv_strides(v.shape, rf(a, RA_V_STRIDES), v.strides, item, vst, "v")
+    kv_strides(k.shape, rf(a, RA_K_STRIDES), k.strides, kv_item, kst, "k")
+    kv_strides(v.shape, rf(a, RA_V_STRIDES), v.strides, kv_item, vst, "v")
+    cdef int64_t kcst[3]
+    cdef int64_t vcst[3]
+    cdef char code_f = b"f"
+    p.ksc = p.vsc = NULL
+    kcst[0] = kcst[1] = kcst[2] = vcst[0] = vcst[1] = vcst[2] = 0
+    if kv_kind == 3:
+        # the scales cover k's first three axes exactly, so every key read has its scale
+        view_array(rf(a, RA_K_SCALE), &ks, 3, &code_f, False, False, "k_scale")
+        view_array(rf(a, RA_V_SCALE), &vs, 3, &code_f, False, False, "v_scale")
+        for d in range(3):
+            if ks.shape[d] != k.shape[d] or vs.shape[d] != v.shape[d]:
+                raise ValueError(f"attention kernel: k_scale {shape4(ks.shape)[:3]} / v_scale "
+                                 f"{shape4(vs.shape)[:3]} must match the first three axes of "
+                                 f"k {shape4(k.shape)} / v {shape4(v.shape)}")
+        kv_strides(ks.shape, rf(a, RA_K_SCALE_STRIDES), ks.strides, 4, kcst, "k_scale")
+        kv_strides(vs.shape, rf(a, RA_V_SCALE_STRIDES), vs.strides, 4, vcst, "v_scale")
+        p.ksc = <const float *>ks.data
+        p.vsc = <const float *>vs.data
     if Hkv == 0 and Hq != 0 or Hkv != 0 and Hq % Hkv != 0:
         raise ValueError(f"attention kernel: Hq={Hq} is not a multiple of Hkv={Hkv}")
     if (outs[0] != B or outs[1] != Hq or outs[2] != L or outs[3] != Ev
@@ -542,6 +589,9 @@ cdef int fill_problem(AttnProblem *p, object a, floating *dummy, Py_ssize_t *out
     p.n_threads = rf(a, RA_N_THREADS)
     p.ksb, p.ksh, p.kss = kst[0], kst[1], kst[2]
     p.vsb, p.vsh, p.vss = vst[0], vst[1], vst[2]
+    p.kv_kind = kv_kind
+    p.kcb, p.kch, p.kcs = kcst[0], kcst[1], kcst[2]
+    p.vcb, p.vch, p.vcs = vcst[0], vcst[1], vcst[2]
     p.page_size = page_size
     p.bt_ld = bts[1]
     p.seqlens = p.block_table = NULL

@@ -11,7 +11,9 @@ rotates interleaved pairs, GPT-J style), causal bottom-right. Nothing of glassll
     python examples/glassllm_generate.py            # both shipped models, greedy, 48 tokens
 
 prints the text, whether the greedy tokens are the same, the logits' error against a float64
-run of glassllm's own code (next to the error of glassllm's own float32 run), and tokens/s.
+run of glassllm's own code (next to the error of glassllm's own float32 run), and tokens/s;
+then the same decode with an int8 KV cache (per-token scales, fastattn.quantize_kv): its
+tokens/s and how many of its greedy tokens match those of a cache in the model's dtype.
 """
 from __future__ import annotations
 
@@ -31,13 +33,14 @@ except ImportError:  # pragma: no cover - the example says what it needs
     glassllm = None
 
 
-def _fastattn_call(self, x, layer, trace=None, cache=None, start=0):
-    """glassllm Attention.__call__ with the cached path through fastattn (see the module doc)."""
+def _fastattn_call(self, x, layer, trace=None, cache=None, start=0, cache_dtype=None):
+    """glassllm Attention.__call__ with the cached path through fastattn (see the module doc);
+    the KV cache in cache_dtype (default: the model's)."""
     b, n, _ = x.shape
     fc = getattr(cache, "fastattn", None)
     if fc is None or fc.batch != b:
         fc = cache.fastattn = fa.KVCache(b, len(self.cos), self.n_kv_heads, self.d_k,
-                                         x.data.dtype)
+                                         cache_dtype or x.data.dtype)
     if int(fc.seqlens[0]) != start:
         fc.trim(start)                      # glassllm restarted its window at `start`
     q = (x @ self.W_Q).data.reshape(b, n, self.n_heads, self.d_k)
@@ -48,15 +51,17 @@ def _fastattn_call(self, x, layer, trace=None, cache=None, start=0):
 
 
 @contextlib.contextmanager
-def fastattn_attention():
-    """Inside the block, glassllm's cached (inference) attention runs through fastattn; calls
-    without a cache (training, traced steps) keep glassllm's own code."""
+def fastattn_attention(cache_dtype=None):
+    """Inside the block, glassllm's cached (inference) attention runs through fastattn, with
+    KV caches of cache_dtype (default: the model's dtype; np.float16, ml_dtypes.bfloat16,
+    np.int8 read in place); calls without a cache (training, traced steps) keep glassllm's own
+    code."""
     original = Attention.__call__
 
     def call(self, x, layer, trace=None, cache=None, start=0):
         if cache is None or trace is not None:
             return original(self, x, layer, trace, cache, start)
-        return _fastattn_call(self, x, layer, trace, cache, start)
+        return _fastattn_call(self, x, layer, trace, cache, start, cache_dtype)
 
     Attention.__call__ = call
     try:
@@ -105,6 +110,29 @@ def compare(lang, prompt_text="the", n_new=48):
                 tokens_per_s_own=n_new / t_own, tokens_per_s_fastattn=n_new / t_fa, n_new=n_new)
 
 
+def compare_cache_dtype(lang, cache_dtype=np.int8, prompt_text="the", n_new=48):
+    """Greedy decode through fastattn with a cache of the model's dtype and with one of
+    cache_dtype: the second's tokens/s, and how many of its greedy tokens equal the first's
+    (in all, and before the first that differs)."""
+    model, tok = glassllm.load_pretrained(lang)
+    prompt = tok.encode(prompt_text)
+    n_new = min(n_new, model.cfg.max_len - len(prompt))
+    runs = {}
+    for name, dt in (("model", None), ("low", cache_dtype)):
+        with fastattn_attention(dt):
+            cached_logits(model, prompt, 2)                      # warm-up
+            t0 = time.perf_counter()
+            _, tokens = cached_logits(model, prompt, n_new)
+            runs[name] = (tokens, n_new / (time.perf_counter() - t0))
+    ref, low = runs["model"][0], runs["low"][0]
+    same = [a == b for a, b in zip(ref, low)]
+    prefix = same.index(False) if False in same else len(same)
+    return dict(lang=lang, cache_dtype=np.dtype(cache_dtype).name, n_new=n_new,
+                matching=sum(same), matching_prefix=prefix,
+                tokens_per_s_model_dtype=runs["model"][1], tokens_per_s=runs["low"][1],
+                text=tok.decode(prompt + low))
+
+
 def main(argv=None) -> int:
     if glassllm is None:
         print("this example needs glassllm: pip install glassllm")
@@ -119,6 +147,11 @@ def main(argv=None) -> int:
               f"float32 {r['err_own']:.2e} (bound {r['bound']:.2e})")
         print(f"    {r['n_new']} tokens: {r['tokens_per_s_own']:.0f} tokens/s with its own attention,"
               f" {r['tokens_per_s_fastattn']:.0f} with fastattn")
+        q8 = compare_cache_dtype(lang)
+        print(f"    int8 KV cache: {q8['matching']} of {q8['n_new']} greedy tokens equal to those "
+              f"of a cache in the model's dtype (the first {q8['matching_prefix']} in a row); "
+              f"{q8['tokens_per_s']:.0f} tokens/s ({q8['tokens_per_s_model_dtype']:.0f} with the "
+              f"model's dtype)")
     return 0 if ok else 1
 
 

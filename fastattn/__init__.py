@@ -11,6 +11,7 @@ from .api import (attention, merge_attention, merge_heads, multihead, scaled_dot
 from ._backends import (BackendInfo, BackendUnavailableError, backends, get_backend,
                         reload_environment, set_backend, use_backend)
 from .inference import attention_with_kvcache, varlen_attention, varlen_attention_backward
+from ._kvdtypes import dequantize_kv, quantize_kv
 from .masks import causal_mask, padding_mask, sliding_window_mask
 from .nn import KVCache
 
@@ -19,7 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "scaled_dot_product_attention", "scaled_dot_product_attention_backward", "merge_attention", "softmax", "attention", "multihead",
     "split_heads", "merge_heads", "attention_with_kvcache", "varlen_attention",
-    "varlen_attention_backward", "KVCache", "causal_mask", "padding_mask", "sliding_window_mask",
+    "varlen_attention_backward", "KVCache", "quantize_kv", "dequantize_kv", "causal_mask", "padding_mask", "sliding_window_mask",
     "backends", "get_backend", "set_backend", "use_backend", "reload_environment", "BackendInfo",
     "BackendUnavailableError", "__version__",
 ]

@@ -307,6 +307,13 @@ class Problem:
     #   (num_pages, Hkv, page_size, E): key j of sequence b is row j % page_size of page
     #   block_table[b, j // page_size], and S = max_pages * page_size.
     block_table: np.ndarray | None = None
+    # kv_kind: the cache's storage (fastattn/_kvdtypes.py): 0 = k/v in the compute dtype;
+    #   1 float16, 2 bfloat16, 3 int8 codes, read as float32 (the compute dtype is float32).
+    # k_scale, v_scale: int8 only, float32 (Bk, Hkv, Sk) views (strided, like k and v): key j
+    #   of k[b, h] reads float32(code) * k_scale[b, h, j]. None otherwise.
+    kv_kind: int = 0
+    k_scale: np.ndarray | None = None
+    v_scale: np.ndarray | None = None
     # how to give results back
     in_dtype: np.dtype = field(default_factory=lambda: np.dtype(np.float32))
     out_shape: tuple = ()
@@ -583,6 +590,8 @@ def _element_strides(x: np.ndarray, name: str, fn: str) -> tuple:
     """Element strides of the first three axes of a 4-D view whose last axis is contiguous."""
     item = x.itemsize
     s0, s1, s2, s3 = x.strides
+    if x.size == 0:                      # nothing is read (NumPy may give such a view any strides)
+        return (s0 // item, s1 // item, s2 // item)
     if x.shape[3] > 1 and s3 != item:
         raise ValueError(f"{fn}: {name}'s last axis (head_dim) must be contiguous, got byte "
                          f"strides {x.strides}")
@@ -592,12 +601,14 @@ def _element_strides(x: np.ndarray, name: str, fn: str) -> tuple:
 
 
 def make_cache_problem(q, k, v, *, seqlens, block_table=None, is_causal=True, window=None,
-                       softcap=None, alibi_slopes=None, sinks=None, scale=None,
-                       fn="attention_with_kvcache") -> Problem:
+                       softcap=None, alibi_slopes=None, sinks=None, scale=None, kv_kind=0,
+                       k_scale=None, v_scale=None, fn="attention_with_kvcache") -> Problem:
     """The Problem of a ragged batch attending a KV cache read in place.
 
-    q (B, Hq, L, E) in the cache's dtype (float32/float64, any strides: it is small and
-    copied); k, v (Bk, Hkv, Sk, E / Ev) views of the cache with the head_dim axis contiguous
+    q (B, Hq, L, E) in the compute dtype (float32/float64, any strides: it is small and
+    copied); k, v (Bk, Hkv, Sk, E / Ev) views of the cache with the head_dim axis contiguous,
+    in the compute dtype (kv_kind 0) or stored as kv_kind says (k_scale, v_scale: the int8
+    scales as (Bk, Hkv, Sk) views)
     (Bk = B rows, or the pages of a paged cache with Sk = page_size); seqlens (B,) int32 with
     0 <= seqlens[b] <= S; block_table (B, max_pages) int32 or None. The caller (inference.py)
     has checked the cache's shapes, lengths and pages; this checks the score options as
@@ -614,7 +625,8 @@ def make_cache_problem(q, k, v, *, seqlens, block_table=None, is_causal=True, wi
         softcap=check_softcap(softcap, fn, dtype),
         in_dtype=dtype, out_shape=(B, Hq, L, v.shape[3]), lse_shape=(B, Hq, L),
         kv_strides=kv_strides, seqlens=np.ascontiguousarray(seqlens, np.int32),
-        block_table=None if block_table is None else np.ascontiguousarray(block_table, np.int32))
+        block_table=None if block_table is None else np.ascontiguousarray(block_table, np.int32),
+        kv_kind=int(kv_kind), k_scale=k_scale, v_scale=v_scale)
     if alibi_slopes is not None:
         problem.alibi = check_alibi(alibi_slopes, (B,), Hq, B, dtype, fn)
     if sinks is not None:

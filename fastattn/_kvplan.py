@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _backends, _config, _fastpath, _process, _tuning
+from . import _backends, _config, _fastpath, _kvdtypes, _process, _tuning
 from ._inputs import for_kernels, lse_dtype, make_cache_problem
 from .inference import _in_place_backend, _min_max, _rotate, _write_new
 
@@ -44,23 +44,34 @@ def _key(cache, q, k, v, options):
     inter = options.get("rotary_interleaved", False)
     if not (inter is False or inter is True):
         return None
+    # q, k, v in the cache's dtype; for a float16/bfloat16/int8 cache (computed in float32)
+    # all float32 or all float64
     dt = cache.dtype
+    if dt not in _FULL:
+        dt = q.dtype
+        if dt not in _FULL:
+            return None
     if q.dtype != dt or k.dtype != dt or v.dtype != dt:
         return None
-    return (q.shape, k.shape, v.shape, rot, inter)
+    return (q.shape, q.dtype, k.shape, v.shape, rot, inter)
+
+
+_FULL = (np.dtype(np.float32), np.dtype(np.float64))
+_F32 = np.dtype(np.float32)
 
 
 class _Plan:
     __slots__ = ("key", "k_cache", "v_cache", "table", "table_bytes", "be", "kernel", "record",
                  "state", "decode", "threads", "row_bytes", "steps", "rows", "out_shape",
-                 "lse_dtype")
+                 "lse_dtype", "kind", "k_scale", "v_scale")
 
 
 def remember(cache, q, k, v, options) -> None:
     """After a successful full call of cache.attend(q, k, v, **options): plan its key."""
     cache._plan = None
     key = _key(cache, q, k, v, options)
-    if key is None or cache.dtype not in (np.float32, np.float64) or not cache.dtype.isnative:
+    kind = _kvdtypes.kind_of(cache.dtype)
+    if key is None or kind is None or not cache.dtype.isnative:
         return
     B, n, Hq, E = q.shape
     if n != k.shape[1] or n == 0 or q.size == 0 or v.shape[3] == 0:
@@ -73,12 +84,18 @@ def remember(cache, q, k, v, options) -> None:
         # columns unchecked, so a plan needs every entry to be a page of its own
         return
     tr = (0, 2, 1, 3)
+    ks, vs = cache.k_scale, cache.v_scale
+    compute = _F32 if kind.low else q.dtype
     problem = make_cache_problem(
-        np.ascontiguousarray(q.transpose(tr)), cache.k.transpose(tr), cache.v.transpose(tr),
+        np.ascontiguousarray(q.transpose(tr), dtype=compute), cache.k.transpose(tr), cache.v.transpose(tr),
         seqlens=cache.seqlens, block_table=cache.block_table, is_causal=True,
-        fn="attention_with_kvcache")
-    be = _in_place_backend(problem, None)
-    if be is None or not hasattr(be, "forward_plan"):
+        kv_kind=kind.code, k_scale=None if ks is None else ks.transpose(0, 2, 1),
+        v_scale=None if vs is None else vs.transpose(0, 2, 1), fn="attention_with_kvcache")
+    try:
+        be = _in_place_backend(problem, None)
+    except _backends.BackendUnavailableError:
+        return
+    if not hasattr(be, "forward_plan"):
         return
     problem, factor = for_kernels(problem)
     if factor is not None:
@@ -87,6 +104,7 @@ def remember(cache, q, k, v, options) -> None:
     plan = _Plan()
     plan.key = key
     plan.k_cache, plan.v_cache = cache.k, cache.v
+    plan.kind, plan.k_scale, plan.v_scale = kind, ks, vs
     plan.table = None if cache.block_table is None else cache.block_table.copy()
     # a small table is compared by its bytes (~0.5 us; np.array_equal took ~5)
     plan.table_bytes = (plan.table.tobytes() if plan.table is not None
@@ -96,7 +114,8 @@ def remember(cache, q, k, v, options) -> None:
     plan.decode = kernel is be._decode_kernel
     plan.threads = _config.num_threads() if plan.decode else record.n_threads
     Hkv = cache.k.shape[2]
-    plan.row_bytes = Hkv * (cache.k.shape[3] + cache.v.shape[3]) * cache.k.itemsize
+    plan.row_bytes = Hkv * ((cache.k.shape[3] + cache.v.shape[3]) * cache.k.itemsize
+                            + (8 if ks is not None else 0))
     plan.steps = np.arange(n)
     plan.rows = np.arange(B)
     plan.out_shape = (B, Hq, n, cache.v.shape[3])
@@ -119,6 +138,10 @@ def attend(cache, q, k, v, options):
     kc, vc, table = cache.k, cache.v, cache.block_table
     if kc is not plan.k_cache or vc is not plan.v_cache or not (
             kc.flags.writeable and vc.flags.writeable):
+        return MISS
+    kind = plan.kind
+    if kind.scaled and (cache.k_scale is not plan.k_scale or cache.v_scale is not plan.v_scale
+                        or not (plan.k_scale.flags.writeable and plan.v_scale.flags.writeable)):
         return MISS
     if table is not None and not (
             table.dtype == np.int32 and table.shape == plan.table.shape
@@ -143,17 +166,29 @@ def attend(cache, q, k, v, options):
         sin, inter = options["rotary_sin"], options.get("rotary_interleaved", False)
         k = _rotate(k.reshape(B * n, k.shape[2], E), flat, cos, sin, inter).reshape(k.shape)
         q = _rotate(q.reshape(B * n, Hq, E), flat, cos, sin, inter).reshape(q.shape)
-    _write_new(kc, vc, k, v, lens, table, plan.rows)
+    if kind.low:
+        # cast, or quantize (int8: a NaN or Inf token goes the full way, which refuses it
+        # before anything is written)
+        if kind.scaled and not (np.isfinite(k).all() and np.isfinite(v).all()):
+            return MISS
+        k, ks = _kvdtypes.encode(kind, k, kc.dtype, "k", "attention_with_kvcache")
+        v, vs = _kvdtypes.encode(kind, v, vc.dtype, "v", "attention_with_kvcache")
+        if ks is not None:
+            _write_new(((plan.k_scale, ks), (plan.v_scale, vs)), lens, table, plan.rows)
+    _write_new(((kc, k), (vc, v)), lens, table, plan.rows)
     # ---- attend: the planned kernel with this call's q and lengths ----
     threads = plan.threads
     if plan.decode and threads > 1:   # the rule of CompiledBackend.decode_threads
         keys = sum(total.tolist()) if B <= 64 else int(total.sum())
         threads = be.threads_for_decode_bytes(keys * plan.row_bytes, threads)
-    record = plan.record._replace(q=np.ascontiguousarray(q.transpose(0, 2, 1, 3)),
+    compute = plan.lse_dtype          # (float32 or float64: the compute dtype)
+    record = plan.record._replace(q=np.ascontiguousarray(q.transpose(0, 2, 1, 3),
+                                                         dtype=compute),
                                   seqlens=total, n_threads=threads)
-    out = np.empty(plan.out_shape, q.dtype)
+    out = np.empty(plan.out_shape, compute)
     lse = np.empty(plan.out_shape[:3], plan.lse_dtype)
     _process.note_pool_used()
     plan.kernel(record, out, lse)
     lens[:] = total
-    return out.transpose(0, 2, 1, 3)
+    out = out.transpose(0, 2, 1, 3)
+    return out if out.dtype == q.dtype else out.astype(q.dtype)   # float64 q, low cache

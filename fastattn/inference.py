@@ -10,11 +10,13 @@ byte-for-byte as it was. Each sequence attends its own keys only (causal bottom-
 flash-attn does for these functions): a ragged batch costs the sum of its sequences, not
 batch x longest.
 
-`attention_with_kvcache` is one kernel call for the whole batch that reads the cache where it
-is (the kernel record's k/v strides, per-sequence key counts and page table: docs/KERNELS.md)
-when the backend it runs on reads them (cython, numba; numpy, for reference). Otherwise (a
-float16 cache) each sequence's keys are copied into (Hkv, S, E) (a paged cache gathered) and
-run through `scaled_dot_product_attention`. `varlen_attention` runs sequence by sequence.
+`attention_with_kvcache` is check -> write the new tokens -> one kernel call for the whole
+batch, which reads the cache where it is (the kernel record's k/v strides, per-sequence key
+counts and page table: docs/KERNELS.md), in every cache dtype (float32/float64, and float16,
+bfloat16, int8 with scales: the table in fastattn/_kvdtypes.py). A backend that does not read
+a problem says why (not_supported_reasons): auto takes the next, a backend named raises. Only
+a cache the kernels cannot address (head_dim not contiguous) is read from a contiguous copy.
+`varlen_attention` runs sequence by sequence.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import numbers
 
 import numpy as np
 
-from . import _backends
+from . import _backends, _kvdtypes
 from ._inputs import (as_float_array, check_same_dtype, check_window, describe, for_kernels,
                       make_cache_problem)
 from .api import scaled_dot_product_attention, scaled_dot_product_attention_backward
@@ -130,42 +132,51 @@ def _alibi_row(alibi_slopes, b: int, B: int, Hq: int, fn: str):
 _NATIVE_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))     # in the machine's byte order
 
 
-def _in_place_layout(cache: np.ndarray) -> bool:
-    """The kernels can read this cache where it is: float32/float64 in the machine's byte
-    order, head_dim contiguous, whole-element strides."""
-    dt = cache.dtype
-    item = dt.itemsize
+def _kernel_layout(cache: np.ndarray) -> bool:
+    """The kernels can read this cache where it is: head_dim contiguous, whole-element
+    strides (the dtype is a cache dtype in the machine's byte order: _cache_layout)."""
+    item = cache.itemsize
     s0, s1, s2, s3 = cache.strides
-    return ((dt.type is np.float32 or dt.type is np.float64) and dt.isnative
-            and (cache.shape[3] <= 1 or s3 == item)
+    return ((cache.shape[3] <= 1 or s3 == item)
             and not (s0 % item or s1 % item or s2 % item or s3 % item))
 
 
+_NATIVE_CACHE = _NATIVE_FLOATS + (np.dtype(np.float16), np.dtype(np.int8))
+
+
+def _cache_layout(x, name: str, fn: str) -> np.ndarray:
+    if type(x) is np.ndarray and x.dtype in _NATIVE_CACHE and x.ndim == 4:
+        return x                         # the usual call (bfloat16 goes the checked way)
+    arr = _kvdtypes.cache_array(x, name, fn)
+    if arr.ndim != 4:
+        raise ValueError(f"{fn}: {name} must be 4-D (batch, seqlen, heads, head_dim), got shape "
+                         f"{arr.shape}")
+    return arr
+
+
+def _wide(x: np.ndarray) -> np.ndarray:
+    """x to rotate: float16/bfloat16 in float32 (rounded once, when stored or computed with),
+    float32/float64 as they are."""
+    return x if x.dtype in _NATIVE_FLOATS else x.astype(np.float32)
+
+
 def _in_place_backend(problem, backend):
-    """The backend that reads `problem` (a cache in place), or None: then the cache is read
-    through copies, sequence by sequence, by the backend the call would use (auto's first
-    available backend, or the one named, when that one does not read a cache in place)."""
-    name = _backends.get_backend() if backend is None else backend
-    if not isinstance(name, str) or name.strip().lower() != "auto":
-        try:
-            return _backends.resolve(problem, "forward", backend)
-        except _backends.BackendUnavailableError:
-            return None                  # the copies path raises it, if that cannot run either
-    _backends._check_required()         # FASTATTN_REQUIRE, as resolve(..., "auto") checks it
-    for cand in _backends.auto_order(problem, "forward"):
-        be = _backends.registry[cand]
-        if be.available:
-            return None if be.not_supported_reasons(problem, "forward") else be
-    return None
+    """The backend that runs `problem` (a cache read in place): the one named, or auto's
+    first that reads it (numpy reads every cache). BackendUnavailableError when the one
+    named cannot, with its reasons."""
+    return _backends.resolve(problem, "forward", backend)
 
 
-def _write_new(k_cache, v_cache, k, v, lens, block_table, rows) -> None:
-    """k[b], v[b] (Lnew, Hkv, E) into positions lens[b] ... of sequence b: cache row rows[b], or
-    through block_table.  The targets are distinct (checked by the caller), so the order of the
-    writes does not matter.  Up to 4 sequences whose new tokens stay in one page are written
-    through slices (~1 us each); otherwise one indexed assignment per cache for the batch (about
-    5 us each whatever the batch; row by row with index arrays, 8 sequences cost ~80 us)."""
-    B, Lnew = k.shape[:2]
+def _write_new(pairs, lens, block_table, rows) -> None:
+    """For each (target, values) of pairs, values[b] (Lnew, ...) into positions lens[b] ... of
+    sequence b: cache row rows[b], or through block_table (targets: k/v caches, and an int8
+    cache's scales, whose first two axes are the caches').  The targets are distinct (checked by
+    the caller), so the order of the writes does not matter.  Up to 4 sequences whose new
+    tokens stay in one page are written through slices (~1 us each); otherwise one indexed
+    assignment per target for the batch (about 5 us each whatever the batch; row by row with
+    index arrays, 8 sequences cost ~80 us)."""
+    first, values = pairs[0]
+    B, Lnew = values.shape[:2]
     starts = lens.tolist()
     if B <= 4:
         spans = []
@@ -173,40 +184,49 @@ def _write_new(k_cache, v_cache, k, v, lens, block_table, rows) -> None:
             if block_table is None:
                 spans.append((int(rows[b]), start))
                 continue
-            page, slot = divmod(start, k_cache.shape[1])
-            if slot + Lnew > k_cache.shape[1]:
+            page, slot = divmod(start, first.shape[1])
+            if slot + Lnew > first.shape[1]:
                 break                                   # crosses a page: the indexed way
             spans.append((int(block_table[b, page]), slot))
         else:
             for b, (row, at) in enumerate(spans):
-                k_cache[row, at:at + Lnew] = k[b]
-                v_cache[row, at:at + Lnew] = v[b]
+                for target, new in pairs:
+                    target[row, at:at + Lnew] = new[b]
             return
     pos = lens[:, None] + np.arange(Lnew)                 # (B, Lnew) absolute positions
     if block_table is None:
         where = (rows[:, None], pos)
     else:
-        page_size = k_cache.shape[1]
+        page_size = first.shape[1]
         where = (block_table[np.arange(B)[:, None], pos // page_size], pos % page_size)
-    k_cache[where] = k
-    v_cache[where] = v
+    for target, new in pairs:
+        target[where] = new
 
 
 # ----------------------------------------------------------------------------------------------
 # attention against a KV cache
 # ----------------------------------------------------------------------------------------------
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
-                           cache_batch_idx=None, block_table=None, rotary_cos=None,
-                           rotary_sin=None, rotary_interleaved=False, is_causal=True, window=None,
-                           softcap=None, alibi_slopes=None, sinks=None, scale=None,
-                           return_lse=False, backend=None):
+                           cache_batch_idx=None, block_table=None, k_scale=None, v_scale=None,
+                           rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
+                           is_causal=True, window=None, softcap=None, alibi_slopes=None,
+                           sinks=None, scale=None, return_lse=False, backend=None):
     """Append new keys/values to a KV cache in place, then attend to the cache (flash-attn layout).
 
     q : (B, Lq, Hq, E).
     k_cache, v_cache : (B_cache, S_max, Hkv, E / Ev), or with `block_table` a paged cache
-        (num_pages, page_size, Hkv, E / Ev). Written in place (must be writeable).
+        (num_pages, page_size, Hkv, E / Ev). Written in place (must be writeable). float32 or
+        float64 (q, k, v of the same dtype), or a low-precision cache read in place: float16,
+        bfloat16 (ml_dtypes) or int8 with k_scale/v_scale; then q, k, v are any one float
+        dtype, the attention is computed in float32 over the cache's values, out has q's
+        dtype and lse is float32 (fastattn/_kvdtypes.py).
+    k_scale, v_scale : int8 caches only: float32 (B_cache, S_max, Hkv) (paged: (num_pages,
+        page_size, Hkv)); cached element [b, s, h, e] is float32(code) * scale[b, s, h]. New
+        tokens are quantized per token and kv head (fastattn.quantize_kv) and their scales
+        written here, at the positions their codes take.
     k, v : optional new tokens (B, Lnew, Hkv, E / Ev), written at positions
-        cache_seqlens[b] ... + Lnew - 1 of sequence b (after rotary, when given).
+        cache_seqlens[b] ... + Lnew - 1 of sequence b (after rotary, when given), cast to the
+        cache's dtype (or quantized).
     cache_seqlens : int32 (B,) (or an int): tokens already in each sequence's cache. Not updated
         here (see fastattn.KVCache, which keeps the lengths).
     cache_batch_idx : int32 (B,): which cache row serves batch element b (contiguous cache only;
@@ -230,8 +250,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     fn = "attention_with_kvcache"
     given = {"k_cache": k_cache, "v_cache": v_cache}     # the arrays new tokens are written to
     q = _heads_layout(q, "q", fn)
-    k_cache = _heads_layout(k_cache, "k_cache", fn)
-    v_cache = _heads_layout(v_cache, "v_cache", fn)
+    k_cache = _cache_layout(k_cache, "k_cache", fn)
+    v_cache = _cache_layout(v_cache, "v_cache", fn)
+    kind = _kvdtypes.kind_of(k_cache.dtype)
     B, Lq, Hq, E = q.shape
     paged = block_table is not None
     n_slots, slot_len, Hkv, Ek = k_cache.shape
@@ -245,7 +266,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"{fn}: the query heads ({Hq}) must be a multiple of the cache's kv heads "
                          f"({Hkv})")
-    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    # float32/float64 caches: q, k, v and the caches of one dtype; a low-precision cache: q, k,
+    # v of one float dtype (the cache's is its own)
+    named = {"q": q} if kind.low else {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     if (k is None) != (v is None):
         raise ValueError(f"{fn}: k and v go together, got only {'k' if v is None else 'v'}")
     if k is not None:
@@ -271,8 +294,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
             if not given[name].flags.writeable:
                 raise ValueError(f"{fn}: {name} is read-only; the new keys/values are written "
                                  f"into it in place")
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"{fn}: k_cache and v_cache must have the same dtype, got k_cache "
+                        f"{k_cache.dtype} and v_cache {v_cache.dtype}")
     check_same_dtype(fn, **named)
     Lnew = 0 if k is None else k.shape[1]
+    k_scale, v_scale = _kvdtypes.check_scales(kind, k_scale, v_scale, k_cache.shape[:3],
+                                              Lnew > 0, fn)
     lens = _int_vector(cache_seqlens, "cache_seqlens", B, fn, allow_scalar=True)
     total = lens + Lnew                                   # keys each sequence attends
     if paged:
@@ -338,89 +366,68 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         if need > rot[0].shape[0]:
             raise ValueError(f"{fn}: rotary_cos/rotary_sin have {rot[0].shape[0]} positions, the "
                              f"call needs {need}")
-    # Every option of the attention itself is checked before anything is written: by building
-    # the problem that reads the cache in place, or (when no backend reads it there) by running
-    # the first sequence's checks on an empty problem.
-    opts = _sequence_options(is_causal, window, softcap, sinks, scale, Hq != Hkv, backend)
-    in_place = None
-    if _in_place_layout(k_cache) and _in_place_layout(v_cache) and B * Lq * Hq * E * Ev:
-        if paged:
-            kv_rows, table = slice(None), block_table
-        elif cache_batch_idx is not None:
-            # cache row rows[b] serves sequence b: a paged cache of one page per sequence
-            kv_rows, table = slice(None), rows.astype(np.int32).reshape(B, 1)
-        else:
-            kv_rows, table = slice(0, B), None
-        tr = (0, 2, 1, 3)
-        problem = make_cache_problem(
-            q.transpose(tr), k_cache[kv_rows].transpose(tr), v_cache[kv_rows].transpose(tr),
-            seqlens=total, block_table=table, is_causal=is_causal, window=window,
-            softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, scale=scale, fn=fn)
-        in_place = _in_place_backend(problem, backend)
-    if in_place is None:
-        scaled_dot_product_attention(q[:0, :0].transpose(0, 2, 1, 3),
-                                     k_cache[:0, :0].transpose(0, 2, 1, 3),
-                                     v_cache[:0, :0].transpose(0, 2, 1, 3), **opts)
-    # the copies path's per-sequence slopes (the in-place problem checked them already)
-    alibis = None if in_place is not None else [_alibi_row(alibi_slopes, b, B, Hq, fn)
-                                                for b in range(B)]
 
-    # ---- write the new tokens (nothing was written before this point) ----
+    # ---- the problem that reads the cache where it is: the whole batch in one kernel call.
+    # Its construction checks every option of the attention itself, and choosing its backend
+    # checks that the backend reads it, before anything is written. A cache the kernels cannot
+    # address (head_dim not contiguous, strides not whole elements) is read from a contiguous
+    # copy, which takes the new tokens too.
+    if paged:
+        kv_rows, table = slice(None), block_table
+    elif cache_batch_idx is not None:
+        # cache row rows[b] serves sequence b: a paged cache of one page per sequence
+        kv_rows, table = slice(None), rows.astype(np.int32).reshape(B, 1)
+    else:
+        kv_rows, table = slice(0, B), None
+    k_read = k_cache if _kernel_layout(k_cache) else np.ascontiguousarray(k_cache)
+    v_read = v_cache if _kernel_layout(v_cache) else np.ascontiguousarray(v_cache)
+    compute = np.dtype(np.float32) if kind.low else q.dtype
+    tr = (0, 2, 1, 3)
+    problem = make_cache_problem(
+        q.astype(compute, copy=False).transpose(tr), k_read[kv_rows].transpose(tr),
+        v_read[kv_rows].transpose(tr), seqlens=total, block_table=table, is_causal=is_causal,
+        window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, scale=scale,
+        kv_kind=kind.code,
+        k_scale=None if k_scale is None else k_scale[kv_rows].transpose(0, 2, 1),
+        v_scale=None if v_scale is None else v_scale[kv_rows].transpose(0, 2, 1), fn=fn)
+    be = _in_place_backend(problem, backend)
+    if not B * Lq * Hq * E * Ev:
+        be = _backends.registry["numpy"]     # degenerate sizes: the NumPy code handles each edge
+
+    # ---- write the new tokens (every check is done; int8 codes are made before any write,
+    # so a non-finite token is refused with nothing written) ----
     if k is not None and Lnew:
         kn = k
         if rot is not None:
             pos = lens[:, None] + np.arange(Lnew)         # (B, Lnew) absolute positions
-            kn = _rotate(k.reshape(B * Lnew, Hkv, E), pos.reshape(-1), *rot,
+            kn = _rotate(_wide(k).reshape(B * Lnew, Hkv, E), pos.reshape(-1), *rot,
                          rotary_interleaved).reshape(k.shape)
-        table, seq_rows = (block_table, None) if paged else (None, rows)
-        _write_new(k_cache, v_cache, kn, v, lens, table, seq_rows)
-        if given["k_cache"] is not k_cache or given["v_cache"] is not v_cache:
-            # the caller's cache is in the other byte order: it takes the tokens too (NumPy
-            # converts them exactly); this call reads the converted copy
-            _write_new(given["k_cache"], given["v_cache"], kn, v, lens, table, seq_rows)
+        kc, ks = _kvdtypes.encode(kind, kn, k_cache.dtype, "k", fn)
+        vc, vs = _kvdtypes.encode(kind, v, v_cache.dtype, "v", fn)
+        where = (block_table, None) if paged else (None, rows)
+        targets = {id(given["k_cache"]): (given["k_cache"], given["v_cache"])}
+        # the arrays read (a converted copy of a cache in the other byte order, a contiguous
+        # copy of one the kernels cannot address) take the tokens too
+        targets.setdefault(id(k_read), (k_read, v_read))
+        for kt, vt in targets.values():
+            _write_new(((kt, kc), (vt, vc)), lens, *where)
+        if ks is not None:
+            _write_new(((k_scale, ks), (v_scale, vs)), lens, *where)
 
-    # ---- attend: one kernel call reading the cache where it is, when the backend can ----
-    if in_place is not None:
-        if rot is not None:
-            qpos = lens[:, None] + (np.arange(Lq)[None, :] if banded else 0)
-            qpos = np.broadcast_to(qpos, (B, Lq))
-            qr = _rotate(q.reshape(B * Lq, Hq, E), qpos.reshape(-1), *rot, rotary_interleaved)
-            problem.q = np.ascontiguousarray(qr.reshape(B, Lq, Hq, E).transpose(0, 2, 1, 3))
-        problem = for_kernels(problem)[0]        # scale <= 0 rewritten, same scores
-        out, lse = in_place.forward(problem)
-        out = out.transpose(0, 2, 1, 3)
-        return (out, lse) if return_lse else out
-    # ---- else through scaled_dot_product_attention: one call when every sequence has the same
-    # length in a contiguous cache and no rotary query positions differ, else sequence by
-    # sequence ----
-    if (not paged and B > 1 and np.all(total == total[0]) and rot is None
-            and (alibi_slopes is None or np.shape(alibi_slopes) == (Hq,))):
-        n = int(total[0])
-        tr = (0, 2, 1, 3)
-        out, lse = scaled_dot_product_attention(
-            q.transpose(tr), k_cache[rows, :n].transpose(tr), v_cache[rows, :n].transpose(tr),
-            alibi_slopes=alibis[0], return_lse=True, **opts)
-        out = out.transpose(tr)
-        return (out, lse) if return_lse else out
-    out = np.empty((B, Lq, Hq, Ev), q.dtype)
-    lse = np.empty((B, Hq, Lq), np.float64 if q.dtype == np.float64 else np.float32)
-    for b in range(B):
-        n = int(total[b])
-        if paged:
-            pages = block_table[b, :-(-n // page_size)] if n else block_table[b, :0]
-            kb = k_cache[pages].reshape(-1, Hkv, E)[:n]
-            vb = v_cache[pages].reshape(-1, Hkv, Ev)[:n]
-        else:
-            kb, vb = k_cache[rows[b], :n], v_cache[rows[b], :n]
-        qb = q[b]
-        if rot is not None:
-            qpos = lens[b] + (np.arange(Lq) if banded else np.zeros(Lq, np.int64))
-            qb = _rotate(qb, qpos, *rot, rotary_interleaved)
-        ob, lb = scaled_dot_product_attention(
-            qb.transpose(1, 0, 2), kb.transpose(1, 0, 2), vb.transpose(1, 0, 2),
-            alibi_slopes=alibis[b], return_lse=True, **opts)
-        out[b] = ob.transpose(1, 0, 2)
-        lse[b] = lb
+    # ---- attend: one kernel call ----
+    if rot is not None:
+        qpos = lens[:, None] + (np.arange(Lq)[None, :] if banded else 0)
+        qpos = np.broadcast_to(qpos, (B, Lq))
+        qr = _rotate(_wide(q).reshape(B * Lq, Hq, E), qpos.reshape(-1), *rot,
+                     rotary_interleaved)
+        problem.q = np.ascontiguousarray(
+            qr.reshape(B, Lq, Hq, E).astype(compute, copy=False).transpose(tr))
+    problem = for_kernels(problem)[0]        # scale <= 0 rewritten, same scores
+    out, lse = be.forward(problem)
+    out = out.transpose(tr)
+    if out.dtype != q.dtype:                  # a low-precision cache: out in q's dtype
+        with np.errstate(over="ignore"):     # float16 beyond 65504 is inf, its own answer
+            out = out.astype(q.dtype)
     return (out, lse) if return_lse else out
 
 

@@ -16,7 +16,8 @@ import numbers
 import numpy as np
 
 from . import _kvplan
-from ._inputs import compute_dtype, describe
+from ._inputs import describe
+from ._kvdtypes import kind_of
 from .inference import attention_with_kvcache
 
 __all__ = ["KVCache"]
@@ -84,6 +85,9 @@ class KVCache:
     k and v start on 64-byte boundaries; above 2 MiB they are views of one buffer
     (_key_value_arrays).
     value_dim defaults to head_dim. `seqlens` (int32, (batch,)) counts the tokens held.
+    dtype: float32 or float64, or a low-precision cache read in place (float16, bfloat16 from
+    ml_dtypes, int8: fastattn/_kvdtypes.py); an int8 cache also owns `k_scale` and `v_scale`,
+    float32 (batch, max_len, kv_heads) (paged: (pages, page_size, kv_heads)), None otherwise.
     """
 
     def __init__(self, batch, max_len, kv_heads, head_dim, dtype=np.float32, page_size=None, *,
@@ -93,9 +97,13 @@ class KVCache:
         kv_heads = _size(kv_heads, "kv_heads")
         head_dim = _size(head_dim, "head_dim")
         value_dim = head_dim if value_dim is None else _size(value_dim, "value_dim")
-        self.dtype = np.dtype(dtype)
-        if compute_dtype(self.dtype) is None:
-            raise TypeError(f"KVCache: dtype must be a float dtype, got {self.dtype}")
+        try:
+            self.dtype = np.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"KVCache: dtype must be a dtype, got {describe(dtype)}") from None
+        if not self.dtype.isnative or kind_of(self.dtype) is None:
+            raise TypeError(f"KVCache: dtype must be float32, float64, float16, bfloat16 "
+                            f"(ml_dtypes) or int8, got {self.dtype}")
         self.page_size = None if page_size is None else _size(page_size, "page_size")
         if self.page_size is None:
             shape = (self.batch, self.max_len)
@@ -107,6 +115,11 @@ class KVCache:
                 self.batch, per_seq)
         self.k, self.v = _key_value_arrays(shape + (kv_heads, head_dim),
                                            shape + (kv_heads, value_dim), self.dtype)
+        # int8: the per-token, per-kv-head scales of the codes (fastattn/_kvdtypes.py)
+        self.k_scale = self.v_scale = None
+        if self.dtype == np.int8:
+            self.k_scale = np.zeros(shape + (kv_heads,), np.float32)
+            self.v_scale = np.zeros(shape + (kv_heads,), np.float32)
         self.seqlens = np.zeros(self.batch, np.int32)
         self._plan = None             # the per-token path's plan (fastattn/_kvplan.py)
 
@@ -124,8 +137,10 @@ class KVCache:
         result = _kvplan.attend(self, q, k, v, options)     # a decode step: fastattn/_kvplan.py
         if result is not _kvplan.MISS:
             return result
+        scales = {} if self.k_scale is None else dict(k_scale=self.k_scale,
+                                                       v_scale=self.v_scale)
         result = attention_with_kvcache(q, self.k, self.v, k, v, cache_seqlens=self.seqlens,
-                                        block_table=self.block_table, **options)
+                                        block_table=self.block_table, **options, **scales)
         if k is not None:
             self.seqlens += np.int32(np.shape(k)[1])
         _kvplan.remember(self, q, k, v, options)
@@ -158,7 +173,9 @@ class KVCache:
         n = int(self.seqlens[idx].max(initial=0))
         # the pages of sequence b are b * per_seq ... in order, so both layouts are one
         # (batch, capacity, heads, dim) array underneath
-        for arr in (self.k, self.v):
+        arrays = (self.k, self.v) if self.k_scale is None else (
+            self.k, self.v, self.k_scale, self.v_scale)
+        for arr in arrays:
             seqs = arr.reshape((self.batch, self.capacity) + arr.shape[2:])
             seqs[:, :n] = seqs[idx, :n]
         self.seqlens[:] = self.seqlens[idx]

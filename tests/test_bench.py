@@ -219,7 +219,7 @@ def test_inference_preset_plumbing(tmp_path, monkeypatch):
                            "--out", str(tmp_path)]) == 0
     with open(tmp_path / "inference.json") as f:
         data = json.load(f)
-    prefill, decode, append = data["records"]
+    prefill, decode, append, dtypes = data["records"]
     has_torch = "torch padded + mask" in prefill["ms"]
     assert set(prefill["ms"]) >= {"fastattn varlen", "fastattn one by one"}
     assert prefill["varlen_vs_one_by_one"] > 0 and ("torch_vs_varlen" in prefill) == has_torch
@@ -229,8 +229,19 @@ def test_inference_preset_plumbing(tmp_path, monkeypatch):
     assert ("torch_vs_paged" in decode) == has_torch and decode["read_bandwidth_gbytes_per_s"] > 0
     assert ("torch_vs_KVCache" in decode) == has_torch
     assert append["largest_vs_smallest"] > 0 and len(append["ms"]) == 2
+    # the cache dtypes side by side: each its own bytes (int8: codes + scales), the float32
+    # row's ratio to itself is 1
+    B, S, Hkv, d = 2, 64, 2, 8
+    want_bytes = {"float32": B * S * Hkv * d * 8, "float16": B * S * Hkv * d * 4,
+                  "int8": B * S * Hkv * (d * 2 + 8)}
+    for name, nbytes in want_bytes.items():
+        row = dtypes[f"{name} cache"]
+        assert row["bytes_read"] == nbytes and row["gbytes_per_s"] > 0
+        assert row["of_read_bandwidth"] > 0 and row["vs_float32"] > 0
+    assert dtypes["float32 cache"]["vs_float32"] == 1.0
     text = (tmp_path / "inference.md").read_text()
     assert "ragged prefill" in text and "% of read bandwidth" in text and "capacity" in text
+    assert "int8 cache:" in text and "the float32 cache's time" in text
 
 
 def test_numpy_loop_threads_script_times_every_setting():

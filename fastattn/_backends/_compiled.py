@@ -62,6 +62,8 @@ class CompiledBackend(Backend):
     unsupported_options: dict = {}
     # the same for the backward kernel only (its forward and decode read them)
     unsupported_backward_options: dict = {}
+    # the low-precision caches (Problem.kv_kind, fastattn/_kvdtypes.py) the kernels read
+    kv_kinds: tuple = ()
 
     # set by _load: kernel(args, out, lse), kernel(args, dout, out, lse, dq, dk, dv, dsinks),
     # softmax_rows(x, mask_kind, mask, out, n_threads)
@@ -87,6 +89,11 @@ class CompiledBackend(Backend):
         for attr, why in self.unsupported_options.items():
             if getattr(problem, attr, None) is not None:
                 reasons.append(why)
+        kind = getattr(problem, "kv_kind", 0)
+        if kind and kind not in self.kv_kinds:
+            # float16 / bfloat16 / int8 caches (fastattn/_kvdtypes.py): numpy reads them all
+            reasons.append(f"{self.name}'s kernels do not read a KV cache of kv_kind {kind} "
+                           f"(float16 1, bfloat16 2, int8 3; they read {self.kv_kinds})")
         if op == "backward":
             for attr, why in self.unsupported_backward_options.items():
                 if getattr(problem, attr, None) is not None:

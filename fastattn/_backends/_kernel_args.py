@@ -74,6 +74,14 @@ class KernelArgs(NamedTuple):
     block_table: np.ndarray    #   block_table[b, j // page_size] of k/v (num_pages, Hkv,
     page_size: int             #   page_size, E); S = max_pages * page_size. (B, max_pages)
                                #   int32, dummy (1, 1); page_size 0 when not paged
+    # A low-precision cache (fastattn/_kvdtypes.py), computed in float32: kv_kind 1 float16,
+    # 2 bfloat16 (k/v then arrive as uint16 views of their bits), 3 int8 codes, whose key j of
+    # (b, h) reads float32(code) * k_scale[b, h, j] (v likewise); 0: k/v in the compute dtype.
+    kv_kind: int
+    k_scale: np.ndarray        # (Bk, Hkv, Sk) float32 views like k's first three axes;
+    v_scale: np.ndarray        #   dummy (1, 1, 1) unless kv_kind == 3
+    k_scale_strides: tuple     # their element strides (batch or page, head, position)
+    v_scale_strides: tuple
     tuning: Tuning             # block sizes and prefetch options; 0 / -1 = the backend's choice
 
 
@@ -95,11 +103,21 @@ _FIELDS = ("q", "k", "v", "mask_kind", "mask_bool", "mask_float", "mask_strides"
            "alibi", "scale", "softcap", "q_offset", "win_left", "win_right", "dropout_p", "seed",
            "dropout_bh0", "dropout_bh_stride", "dropout_row0", "dropout_col0", "has_sinks",
            "sinks", "n_threads", "has_delta", "delta", "k_strides", "v_strides", "has_seqlens",
-           "seqlens", "has_block_table", "block_table", "page_size", "tuning")
+           "seqlens", "has_block_table", "block_table", "page_size", "kv_kind", "k_scale",
+           "v_scale", "k_scale_strides", "v_scale_strides", "tuning")
 assert KernelArgs._fields == _FIELDS
 _NO_MASK_STRIDES = (0, 0, 0, 0)
 _NO_SEQLENS = np.zeros(1, np.int32)
 _NO_BLOCK_TABLE = np.zeros((1, 1), np.int32)
+_NO_SCALE = np.zeros((1, 1, 1), np.float32)
+_NO_SCALE_STRIDES = (0, 0, 0)
+# how k/v of each kv_kind reach the kernels: the bits of a 16-bit float as uint16 (one view
+# for both, whatever their Python type), int8 codes as they are
+_KV_VIEW = {1: np.uint16, 2: np.uint16, 3: np.int8}
+
+
+def _scale_strides(s: np.ndarray) -> tuple:
+    return tuple(st // 4 for st in s.strides)
 
 
 
@@ -123,6 +141,15 @@ def kernel_args(p, n_threads: int) -> KernelArgs:
         Ev = p.v.shape[3]
         kv_strides = ((H * S * E, S * E, E), (H * S * Ev, S * Ev, Ev))
     seqlens, table = p.seqlens, p.block_table
+    kv_kind = p.kv_kind
+    k, v = p.k, p.v
+    ks = vs = _NO_SCALE
+    ks_st = vs_st = _NO_SCALE_STRIDES
+    if kv_kind:
+        k, v = k.view(_KV_VIEW[kv_kind]), v.view(_KV_VIEW[kv_kind])
+        if p.k_scale is not None:
+            ks, vs = p.k_scale, p.v_scale
+            ks_st, vs_st = _scale_strides(ks), _scale_strides(vs)
     if kind:
         mask_bool = p.mask.view(np.uint8) if kind == MASK_BOOL else _DUMMY_BOOL
         mask_float = p.mask if kind == MASK_FLOAT else dummy_mask
@@ -131,7 +158,7 @@ def kernel_args(p, n_threads: int) -> KernelArgs:
         mask_bool, mask_float, strides = _DUMMY_BOOL, dummy_mask, _NO_MASK_STRIDES
     # int()/float(): numba specializes on the types, so a NumPy scalar must not get through
     return _new_record(KernelArgs, (
-        p.q, p.k, p.v, int(kind), mask_bool, mask_float, strides,
+        p.q, k, v, int(kind), mask_bool, mask_float, strides,
         alibi is not None, dummy_alibi if alibi is None else alibi,
         float(p.scale), float(p.softcap), int(band.q_offset), int(band.left), int(band.right),
         float(p.dropout_p), int(p.seed),
@@ -142,6 +169,7 @@ def kernel_args(p, n_threads: int) -> KernelArgs:
         seqlens is not None, _NO_SEQLENS if seqlens is None else seqlens,
         table is not None, _NO_BLOCK_TABLE if table is None else table,
         0 if table is None else p.k.shape[2],
+        kv_kind, ks, vs, ks_st, vs_st,
         current_tuning()))
 
 

@@ -75,6 +75,8 @@ class CythonBackend(CompiledBackend):
     # S = 2048 251 against 332 (bench/results/openmp_wait.md): so the bound is 4 MiB, about
     # where one thread's time is twice the wake-up.
     serial_decode_bytes = 4 << 20
+    # float16, bfloat16 and int8 caches: forward and decode read them (csrc/fa_kvconv.h)
+    kv_kinds = (1, 2, 3)
     # a KV cache read in place: forward and decode read it (csrc/forward.pxi attend_rows)
     unsupported_backward_options = {
         "kv_strides": "cython's backward reads k/v C-contiguous only",

@@ -13,7 +13,7 @@ import sys
 import tempfile
 
 from .. import _process
-from ._compiled import CompiledBackend
+from ._compiled import DECODE_MAX_ROWS, CompiledBackend, use_decode
 
 _KERNEL_MODULES = tuple("fastattn._numba." + m for m in (
     "_intrinsics", "_exp", "_hash", "_blas", "_record", "_scores", "_tiles", "_gemm", "_kv",
@@ -74,8 +74,16 @@ class NumbaBackend(CompiledBackend):
         self._backward_kernel = backward.backward
         self._softmax_kernel = softmax.softmax_rows
 
+    # float16, bfloat16 and int8 caches: the decode reads them (a key block at a time converted,
+    # fastattn/_numba/_kvconv.py); the tiled forward (prefill, more query rows) does not
+    kv_kinds = (1, 2, 3)
+
     def not_supported_reasons(self, problem, op):
         reasons = super().not_supported_reasons(problem, op)
+        if getattr(problem, "kv_kind", 0) and not use_decode(problem):
+            reasons.append("numba reads a float16/bfloat16/int8 KV cache in its decode only "
+                           f"(up to {DECODE_MAX_ROWS} query rows per head), not in the tiled "
+                           "forward")
         if _process.forked_after_pool_use():
             # numba's kernels always enter the OpenMP pool, which libgomp cannot run in a child
             # forked after the parent used it (the child would be terminated or hang)

@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import _config, _dropout
 from .._inputs import MASK_BOOL, MASK_FLOAT, Band, lse_dtype
+from .._kvdtypes import as_compute, kind_by_code
 from ._base import Backend
 from ._threads import check_cancelled, parallel_map
 
@@ -59,26 +60,43 @@ def safe_matmul(w: np.ndarray, v: np.ndarray, v_finite: bool | None = None) -> n
 
 
 def _sequence(p, b):
-    """Keys of sequence b as (Hkv, n, E) / (Hkv, n, Ev) arrays, n, and the band of its rows.
+    """Keys of sequence b as (Hkv, n, E) / (Hkv, n, Ev) arrays, their int8 scales (Hkv, n) (or
+    None), n, and the band of its rows.
 
     The dense problem: p.k[b], p.v[b], S, p.band. A KV cache read in place (Problem.seqlens,
     block_table, kv_strides): the first seqlens[b] keys (its pages gathered: this backend is
     the reference for correctness, the compiled ones read the pages where they are), and the
-    band moved to end where the sequence ends.
+    band moved to end where the sequence ends. The keys stay as the cache stores them
+    (float16, bfloat16, int8 codes: Problem.kv_kind); _forward_block converts them a key
+    block at a time, never the whole cache.
     """
     S = p.n_keys
     if p.seqlens is None and p.block_table is None:
-        return p.k[b], p.v[b], S, p.band
+        return p.k[b], p.v[b], None, None, S, p.band
     n = S if p.seqlens is None else int(p.seqlens[b])
+    scales = (p.k_scale, p.v_scale) if p.k_scale is not None else ()
     if p.block_table is None:
         kb, vb = p.k[b, :, :n], p.v[b, :, :n]
+        ks, vs = (s[b, :, :n] for s in scales) if scales else (None, None)
     else:
         page = p.k.shape[2]
         pages = p.block_table[b, :-(-n // page)]
         kb = p.k[pages].transpose(1, 0, 2, 3).reshape(p.k.shape[1], -1, p.k.shape[3])[:, :n]
         vb = p.v[pages].transpose(1, 0, 2, 3).reshape(p.v.shape[1], -1, p.v.shape[3])[:, :n]
+        ks, vs = ((s[pages].transpose(1, 0, 2).reshape(s.shape[1], -1)[:, :n] for s in scales)
+                  if scales else (None, None))
     band = p.band
-    return kb, vb, n, Band(band.q_offset + n - S, band.left, band.right, band.unbounded)
+    return kb, vb, ks, vs, n, Band(band.q_offset + n - S, band.left, band.right, band.unbounded)
+
+
+def _key_block(p, x, scales, j0, j1):
+    """Keys/values j0..j1-1 of a sequence's (H, n, D) array in the compute dtype: a float16,
+    bfloat16 or int8 cache's block converted here (fastattn/_kvdtypes.py: float32(code) *
+    scale for int8), a float32/float64 one as it is."""
+    if not p.kv_kind:
+        return x[:, j0:j1]
+    return as_compute(kind_by_code(p.kv_kind), x[:, j0:j1],
+                      None if scales is None else scales[:, j0:j1])
 
 
 def _apply_scores_pipeline(p, s, b, i0, i1, j0, j1, heads=slice(None), band=None):
@@ -181,7 +199,9 @@ class NumpyBackend(Backend):
     def _forward_tiles(self, p, out, lse):
         B, L = p.q.shape[0], p.q.shape[2]
         bq, bk = _blocks(p)
-        v_finite = bool(np.isfinite(p.v).all())         # the usual case: no per-tile checks
+        # the usual case: no per-tile checks (a low-precision cache is checked per block,
+        # not converted whole)
+        v_finite = None if p.kv_kind else bool(np.isfinite(p.v).all())
 
         def block(item):
             b, i0 = item
@@ -199,7 +219,7 @@ class NumpyBackend(Backend):
         G = p.group
         dt = p.dtype
         nq = i1 - i0
-        kb, vb, S, band = _sequence(p, b)
+        kb, vb, ks, vs, S, band = _sequence(p, b)
         j_lo, j_hi = band.key_range(i0, i1, S)
         if j_lo >= j_hi and p.sinks is None:
             return                                     # every key outside the band: zeros, -inf
@@ -217,7 +237,7 @@ class NumpyBackend(Backend):
         for j0 in range(j_lo, j_hi, bk):
             check_cancelled()                          # the caller was interrupted: stop here
             j1 = min(j_hi, j0 + bk)
-            s = np.matmul(qt, kb[:, j0:j1].transpose(0, 2, 1))     # (Hkv, G*nq, nk)
+            s = np.matmul(qt, _key_block(p, kb, ks, j0, j1).transpose(0, 2, 1))  # (Hkv, G*nq, nk)
             s3 = s.reshape(Hq, nq, j1 - j0)
             _apply_scores_pipeline(p, s3, b, i0, i1, j0, j1, band=band)
             m_new = np.maximum(m, s3.max(axis=-1))
@@ -230,7 +250,7 @@ class NumpyBackend(Backend):
             if p.dropout_p > 0:
                 s3 *= _dropout_scale(p, b, Hq, i0, i1, j0, j1)
             acc *= alpha.reshape(Hkv, G * nq, 1)
-            acc += safe_matmul(s, vb[:, j0:j1], v_finite)
+            acc += safe_matmul(s, _key_block(p, vb, vs, j0, j1), v_finite)
             m = m_new
         l4 = l.reshape(Hq, nq, 1)
         np.divide(acc.reshape(Hq, nq, Ev), l4, out=out[b, :, i0:i1], where=l4 != 0)

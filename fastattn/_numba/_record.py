@@ -25,7 +25,10 @@ from numpy.lib.stride_tricks import as_strided
 
 from .._backends._kernel_args import KernelArgs
 
-_NESTED = ("mask_strides", "k_strides", "v_strides", "tuning")
+# (the scale strides of a low-precision cache: numba's kernels do not read one, and refuse it
+# in NumbaBackend.not_supported_reasons)
+_NESTED = ("mask_strides", "k_strides", "v_strides", "k_scale_strides", "v_scale_strides",
+           "tuning")
 _FLAT = tuple(f for f in KernelArgs._fields if f not in _NESTED)
 _IDX = tuple(KernelArgs._fields.index(f) for f in _FLAT)
 
@@ -68,6 +71,10 @@ def check_kv_layout(a: KernelArgs, S: int) -> None:
         if x.shape[3] > 1 and x.strides[3] != x.itemsize:
             raise ValueError(f"attention kernel: the last axis of {name} must be contiguous, "
                              f"got byte strides {x.strides}")
+    if a.kv_kind == 3 and (a.k_scale.shape != k.shape[:3] or a.v_scale.shape != v.shape[:3]):
+        raise ValueError(f"attention kernel: k_scale {a.k_scale.shape} / v_scale "
+                         f"{a.v_scale.shape} must match the first three axes of k {k.shape} / "
+                         f"v {v.shape}")
     paged = a.has_block_table
     if (v.shape[:3] != k.shape[:3] or k.shape[3] != a.q.shape[3]
             or (paged and (a.page_size <= 0 or k.shape[2] != a.page_size
@@ -98,7 +105,7 @@ def numba_args(a: KernelArgs) -> NumbaArgs:
     ks, vs = a.k_strides, a.v_strides
     S = a.block_table.shape[1] * a.page_size if a.has_block_table else k.shape[2]
     dims = (k.shape[1], S, v.shape[3])
-    if a.has_seqlens or a.has_block_table or not (k.flags.c_contiguous
+    if a.has_seqlens or a.has_block_table or a.kv_kind or not (k.flags.c_contiguous
                                                   and v.flags.c_contiguous):
         check_kv_layout(a, S)
     if not (k.flags.c_contiguous and v.flags.c_contiguous):

@@ -25,6 +25,7 @@ from ._exp import exp2v
 from ._hash import dropout_bh, dropout_threshold_nb
 from ._intrinsics import FM, atomic_next, fcast, fmax_nan, wide_vectors
 from ._kv import gather_v, kv_run, rows_all_finite, seq_keys, seq_q_offset
+from ._kvconv import convert_rows
 from ._record import numba_args, positive
 from ._scores import (
     alibi_slope, band_partial, group_block_status, mask_base, needs_rows, score_units,
@@ -157,6 +158,33 @@ def _decode_block(a, b, hk, j0, n, qo, kf, koff, ldk, vf, voff, ldv, paged, Qs, 
         pv_nonfinite(Pb, R, n, vf, voff, Ev, Evld, Vs, acc, ab)
 
 
+def _decode_block_kv(a, b, hk, j0, n, qo, kf, koff, ldk, vf, voff, ldv, paged, Qs, Qt, SbT,
+                     Sb, Pb, acc, m, lsum, ab, Kc, Vc):  # pragma: no cover
+    raise NotImplementedError
+
+
+@overload(_decode_block_kv, inline="always")
+def _decode_block_kv_ol(a, b, hk, j0, n, qo, kf, koff, ldk, vf, voff, ldv, paged, Qs, Qt,
+                        SbT, Sb, Pb, acc, m, lsum, ab, Kc, Vc):
+    """_decode_block on the cache as stored (float32/float64), or, for a float16, bfloat16 or
+    int8 cache (k/v of uint16 or int8), on the block converted into the float32 tiles Kc / Vc
+    (_kvconv.py), resolved at compile time."""
+    if kf.dtype in (types.float32, types.float64):
+        def impl(a, b, hk, j0, n, qo, kf, koff, ldk, vf, voff, ldv, paged, Qs, Qt, SbT, Sb, Pb,
+                 acc, m, lsum, ab, Kc, Vc):
+            _decode_block(a, b, hk, j0, n, qo, kf, koff, ldk, vf, voff, ldv, paged, Qs, Qt,
+                          SbT, Sb, Pb, acc, m, lsum, ab)
+    else:
+        def impl(a, b, hk, j0, n, qo, kf, koff, ldk, vf, voff, ldv, paged, Qs, Qt, SbT, Sb, Pb,
+                 acc, m, lsum, ab, Kc, Vc):
+            convert_rows(a, b, hk, j0, n, kf, a.k_scale, Kc, False)
+            convert_rows(a, b, hk, j0, n, vf, a.v_scale, Vc, True)
+            E = a.q.shape[3]
+            _decode_block(a, b, hk, j0, n, qo, Kc, 0, E, Vc, 0, a.Ev, False, Qs, Qt, SbT, Sb,
+                          Pb, acc, m, lsum, ab)
+    return impl
+
+
 @njit(cache=True, fastmath=FM, nogil=True)
 def _decode_item(it, a, plan, pm, pl, pacc):
     """Item `it` = (batch, kv head, key chunk) of the call `a` (_record.NumbaArgs): the scores
@@ -204,6 +232,10 @@ def _decode_item(it, a, plan, pm, pl, pacc):
     ab = np.empty(2, q.dtype)
     ab[0] = fcast(q, 1.0)
     ab[1] = fcast(q, 0.0)
+    # a low-precision cache: the block's keys/values converted (_decode_block_kv)
+    low = a.kv_kind != 0
+    Kc = np.empty(Bk * Eld if low else 1, q.dtype)
+    Vc = np.empty(Bk * Evld if low else 1, q.dtype)
 
     # union of the rows' bands, clipped to this chunk and to the sequence's keys
     qo = seq_q_offset(a, b)
@@ -213,9 +245,9 @@ def _decode_item(it, a, plan, pm, pl, pacc):
     j0 = jlo
     while j0 <= jhi:
         n = min(Bk, jhi + 1 - j0)
-        _decode_block(a, b, hk, j0, n, qo, kf, b * a.ksB + j0 * a.ksS + hk * a.ksH, a.ksS,
-                      vf, b * a.vsB + j0 * a.vsS + hk * a.vsH, a.vsS, paged, Qs, Qt, SbT, Sb,
-                      Pb, acc, m, lsum, ab)
+        _decode_block_kv(a, b, hk, j0, n, qo, kf, b * a.ksB + j0 * a.ksS + hk * a.ksH,
+                         a.ksS, vf, b * a.vsB + j0 * a.vsS + hk * a.vsH, a.vsS, paged, Qs, Qt,
+                         SbT, Sb, Pb, acc, m, lsum, ab, Kc, Vc)
         j0 += n
 
     for r in range(R):
@@ -275,14 +307,17 @@ def _decode_heads_item(it, a, plan, pm, pl, pacc):
     ab = np.empty(2, q.dtype)
     ab[0] = fcast(q, 1.0)
     ab[1] = fcast(q, 0.0)
+    low = a.kv_kind != 0
+    Kc = np.empty(Bk * Eld if low else 1, q.dtype)
+    Vc = np.empty(Bk * Evld if low else 1, q.dtype)
     j0 = jlo
     paged = a.has_block_table
     while j0 <= jhi:
         n = min(Bk, jhi + 1 - j0)
         for hk in range(Hkv):
-            _decode_block(a, b, hk, j0, n, qo, kf, b * a.ksB + j0 * a.ksS + hk * a.ksH, a.ksS,
-                          vf, b * a.vsB + j0 * a.vsS + hk * a.vsH, a.vsS, paged, Qs[hk],
-                          Qt[hk], SbT, Sb, Pb, acc[hk], m[hk], lsum[hk], ab)
+            _decode_block_kv(a, b, hk, j0, n, qo, kf, b * a.ksB + j0 * a.ksS + hk * a.ksH,
+                             a.ksS, vf, b * a.vsB + j0 * a.vsS + hk * a.vsH, a.vsS, paged,
+                             Qs[hk], Qt[hk], SbT, Sb, Pb, acc[hk], m[hk], lsum[hk], ab, Kc, Vc)
         j0 += n
 
     for hk in range(Hkv):

@@ -23,7 +23,10 @@ about BATCH_S seconds, with a pause after the read probe's; medians of per-round
   last-level cache that can hold the working set, the cache is part of "the machine's read
   bandwidth" for both);
 - append: one new token written into caches of two capacities with the same short lengths:
-  a cost that does not grow with the capacity shows that the cache is not copied.
+  a cost that does not grow with the capacity shows that the cache is not copied;
+- cache dtypes: decode (CACHE_DTYPES: every sequence full) over float32, float16 and int8
+  caches of the same tokens, side by side: each one's time over the float32 cache's, and its
+  own bytes (codes + scales for int8) per second as a share of the read probe.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from .latency import SETTLE_S, _interleaved as _batches_interleaved
 RAGGED_LENS = (4096, 1024, 256, 17)
 RAGGED = dict(H=8, d=64)
 DECODE = dict(B=8, lo=512, hi=16384, Hq=32, Hkv=8, d=128, page=256)
+CACHE_DTYPES = dict(B=4, Hq=32, Hkv=8, d=128, S=16384)
 APPEND = dict(B=8, Hkv=8, d=128, capacities=(1024, 16384), held=16)
 PROBE = "read probe (gemv)"
 
@@ -184,6 +188,64 @@ def ragged_decode(torch, rounds: int, B=None, lo=None, hi=None, Hq=None, Hkv=Non
     return rec
 
 
+def cache_dtypes_decode(rounds: int, B=None, Hq=None, Hkv=None, d=None, S=None,
+                        backend=None, batch_s=BATCH_S) -> dict:
+    """Decode over caches of each dtype side by side (issue 34): float32, float16 and int8
+    caches of the same random normal tokens (int8 quantized per token and kv head), every
+    sequence S tokens long, one query token. Each row: its time, its bytes read per second
+    (its own bytes: 4, 2 or 1 per element, and for int8 the float32 scales) as a share of a
+    read probe over the float32 cache's bytes measured in the same rounds, and its time over
+    the float32 row's (medians of per-round ratios)."""
+    import fastattn as fa
+
+    c = dict(CACHE_DTYPES)
+    c.update({k: v for k, v in dict(B=B, Hq=Hq, Hkv=Hkv, d=d, S=S).items() if v is not None})
+    B, Hq, Hkv, d, S = c["B"], c["Hq"], c["Hkv"], c["d"], c["S"]
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((B, 1, Hq, d), dtype=np.float32)
+    lens = np.full(B, S, np.int32)
+    caches, need = {}, {}
+    for name, dtype in (("float32", np.float32), ("float16", np.float16), ("int8", np.int8)):
+        cache = fa.KVCache(B, S, Hkv, d, dtype)         # aligned, K and V apart (nn.py)
+        for b in range(B):                               # filled a sequence at a time
+            for arr, sc in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
+                x = rng.standard_normal((S, Hkv, d), dtype=np.float32)
+                if dtype == np.int8:
+                    arr[b], sc[b] = fa.quantize_kv(x)
+                else:
+                    arr[b] = x
+        cache.seqlens[:] = lens
+        caches[name] = cache
+        scales = 0 if cache.k_scale is None else 2 * B * S * Hkv * 4
+        need[name] = float(B * S * Hkv * d * 2 * cache.k.itemsize + scales)
+    kw = {} if backend is None else {"backend": backend}
+
+    def call(cache):
+        sc = {} if cache.k_scale is None else dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+        return lambda: fa.attention_with_kvcache(q, cache.k, cache.v, cache_seqlens=lens,
+                                                 **sc, **kw)
+
+    fns = {f"{name} cache": call(cache) for name, cache in caches.items()}
+    cols = 1024
+    probe_m = np.ones((max(1, int(need["float32"]) // (4 * cols)), cols), np.float32)
+    probe_x = np.ones(cols, np.float32)
+    fns[PROBE] = lambda: probe_m @ probe_x
+    times = _interleaved(fns, rounds, batch_s)
+    rec = {"row": f"decode over float32 / float16 / int8 caches, B={B}, Hq={Hq}, Hkv={Hkv}, "
+                  f"d={d}, {S} cached tokens each" + (f", {backend}" if backend else ""),
+           "ms": _ms(times), "read_bandwidth_gbytes_per_s":
+               _sig(probe_m.nbytes / statistics.median(times[PROBE]) / 1e9)}
+    for name in caches:
+        ts = times[f"{name} cache"]
+        share = statistics.median((need[name] / t) / (probe_m.nbytes / p)
+                                  for p, t in zip(times[PROBE], ts))
+        rec[f"{name} cache"] = {"bytes_read": need[name],
+                                "gbytes_per_s": _sig(need[name] / statistics.median(ts) / 1e9),
+                                "of_read_bandwidth": _sig(share),
+                                "vs_float32": _ratio(times, f"{name} cache", "float32 cache")}
+    return rec
+
+
 def append_cost(rounds: int, B=None, Hkv=None, d=None, capacities=None, held=None,
                 batch_s=BATCH_S) -> dict:
     """One token appended (and attended by one query head per KV head, over `held` keys) in
@@ -227,10 +289,11 @@ def run(threads: int, rounds: int = 7, small: bool = False) -> dict:
                    ragged_decode(torch, rounds, B=3, lo=8, hi=70, Hq=4, Hkv=2, d=8, page=16,
                                  batch_s=0),
                    append_cost(rounds, B=2, Hkv=2, d=8, capacities=(32, 256), held=4,
-                               batch_s=0)]
+                               batch_s=0),
+                   cache_dtypes_decode(rounds, B=2, Hq=4, Hkv=2, d=8, S=64, batch_s=0)]
     else:
         records = [ragged_prefill(torch, rounds), ragged_decode(torch, rounds),
-                   append_cost(rounds)]
+                   append_cost(rounds), cache_dtypes_decode(rounds)]
     meta["load_average_end"] = load_average()
     return {"meta": meta, "records": records}
 
@@ -268,6 +331,11 @@ def markdown(data: dict) -> str:
             if name in r and "gbytes_per_s" in r[name]:
                 ratios.append(f"{name}: {r[name]['gbytes_per_s']:.1f} GB/s of the needed bytes "
                               f"= {100 * r[name]['of_read_bandwidth']:.0f}% of read bandwidth")
+        for name in ("float32 cache", "float16 cache", "int8 cache"):
+            if name in r:
+                ratios.append(f"{name}: {r[name]['gbytes_per_s']:.1f} GB/s of its own bytes = "
+                              f"{100 * r[name]['of_read_bandwidth']:.0f}% of read bandwidth, "
+                              f"{r[name]['vs_float32']:.2f}x the float32 cache's time")
         if "largest_vs_smallest" in r:
             ratios.append(f"largest / smallest capacity {r['largest_vs_smallest']:.2f}")
         lines.append(f"| {r['row']} | {times} | {'; '.join(ratios)} |")
