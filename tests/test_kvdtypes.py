@@ -1,6 +1,7 @@
 """Low-precision KV caches (fastattn/_kvdtypes.py): float16, bfloat16 and int8 with per-token,
-per-kv-head scales, read in place by attention_with_kvcache and KVCache, against a dense float64
-computation written here over the values the cache holds (dequantized or converted)."""
+per-kv-head scales, read in place by attention_with_kvcache and KVCache, against the cache tests'
+dense float64 computation (tests/test_inference.py) over the values the cache holds (dequantized
+or converted)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 
 import fastattn as fa
 from fastattn import BackendUnavailableError
+from test_inference import dense       # the dense float64 reference of the cache tests
 
 ml_dtypes = pytest.importorskip("ml_dtypes")       # a test extra: bfloat16 runs in CI
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -20,47 +22,13 @@ TOL = 2e-5                               # the suite's float32 tolerance (tests/
 
 
 # ---------------------------------------------------------------------------------------------
-# an independent reading of the rule and a dense reference
+# an independent reading of the rule, and the values a cache holds
 # ---------------------------------------------------------------------------------------------
 def held(cache, scale=None):
     """The float64 values a cache holds: converted, or float32(code) * scale."""
     if cache.dtype == np.int8:
         return (cache.astype(np.float32) * scale[..., None].astype(np.float32)).astype(np.float64)
     return cache.astype(np.float64)
-
-
-def dense(q, k, v, *, causal=True, window=None, softcap=None, alibi=None, sinks=None,
-          scale=None):
-    """q (Lq, Hq, E) against k (n, Hkv, E), v (n, Hkv, Ev), bottom-right causal, float64."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    Lq, Hq, E = q.shape
-    n, Hkv = k.shape[:2]
-    kk, vv = np.repeat(k, Hq // Hkv, 1), np.repeat(v, Hq // Hkv, 1)
-    s = np.einsum("ihe,jhe->hij", q, kk) * (1 / np.sqrt(E) if scale is None else scale)
-    if softcap:
-        s = softcap * np.tanh(s / softcap)
-    pos = np.arange(Lq)[:, None] + n - Lq
-    j = np.arange(n)[None, :]
-    if alibi is not None:
-        s = s - np.asarray(alibi, np.float64)[:, None, None] * np.abs(pos - j)[None]
-    keep = np.ones((Lq, n), bool)
-    if causal:
-        keep &= j <= pos
-    if window is not None:
-        keep &= j >= pos - window
-    s = np.where(keep, s, -np.inf)
-    cols = [s]
-    if sinks is not None:
-        cols.append(np.broadcast_to(np.asarray(sinks, np.float64)[:, None, None], (Hq, Lq, 1)))
-        vv = np.concatenate([vv, np.zeros((1,) + vv.shape[1:])])
-    s = np.concatenate(cols, -1)
-    m = s.max(-1, keepdims=True) if s.shape[-1] else np.zeros((Hq, Lq, 1))
-    m = np.where(np.isfinite(m), m, 0)
-    e = np.exp(s - m)
-    tot = e.sum(-1, keepdims=True)
-    w = np.divide(e, tot, out=np.zeros_like(e), where=tot > 0)
-    with np.errstate(divide="ignore"):
-        return np.einsum("hij,jhe->ihe", w, vv), (np.log(tot) + m)[..., 0]
 
 
 def expect_codes(x):
@@ -144,7 +112,7 @@ def _options(rng, case, Hq, E, capacity):
     kw, ref = {}, {}
     if case.get("window"):
         kw["window"] = (case["window"], -1)
-        ref["window"] = case["window"]
+        ref["window"] = (case["window"], -1)
     if case.get("softcap"):
         kw["softcap"] = ref["softcap"] = case["softcap"]
     if case.get("alibi"):
