@@ -131,7 +131,7 @@ static void fa_pool_grow(int n)
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        pthread_attr_setstacksize(&attr, 1 << 20);   /* the kernels' stack arrays: < 64 KiB */
+        pthread_attr_setstacksize(&attr, 4 << 20);   /* the kernels keep up to ~64 KiB on the stack */
         int rc = pthread_create(&t, &attr, fa_pool_helper, NULL);
         pthread_attr_destroy(&attr);
         if (rc != 0)
