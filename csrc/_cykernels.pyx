@@ -40,6 +40,13 @@ def simd():
     return fa_ops_name().decode()
 
 
+def decode_lowp_copy(E, Ev=None):
+    """The copy of the low-precision-cache decode kernel a call with head dims E, Ev would take
+    at the selected SIMD level: "avx512" (fa_decode_lowp512.h), "avx2" (fa_decode_lowp.h) or
+    None (the general path, which converts a key block at a time)."""
+    return {2: "avx512", 1: "avx2"}.get(fa_decode_lowp_copy(E, E if Ev is None else Ev))
+
+
 def max_threads():
     return fa_omp_max_threads()
 

@@ -31,14 +31,15 @@ cdef extern from "fa_decode_avx2.h" nogil:
                            float scale, float *m, float *l, float *O, ptrdiff_t ldo, int pf_kind,
                            const float *Kpf, const float *Vpf, ptrdiff_t npf)
 
-cdef extern from "fa_decode_lowp.h" nogil:
-    int fa_decode_lowp_available(ptrdiff_t E, ptrdiff_t Ev)
-    void fa_decode_lowp_avx2(int kv_kind, int R, const float *q, ptrdiff_t ldq, const void *K,
-                             ptrdiff_t ldk, const void *V, ptrdiff_t ldv, const float *ks,
-                             ptrdiff_t ldks, const float *vs, ptrdiff_t ldvs, ptrdiff_t n,
-                             ptrdiff_t E, ptrdiff_t Ev, float scale, float *m, float *l, float *O,
-                             ptrdiff_t ldo, int pf_kind, const void *Kpf, const void *Vpf,
-                             ptrdiff_t npf)
+cdef extern from "fa_decode_lowp512.h" nogil:
+    int fa_decode_lowp_copy(ptrdiff_t E, ptrdiff_t Ev)
+    # the AVX-512 copy (fa_decode_lowp512.h) where fa_decode_lowp_copy says 2, else AVX2's
+    void fa_decode_lowp(int kv_kind, int R, const float *q, ptrdiff_t ldq, const void *K,
+                        ptrdiff_t ldk, const void *V, ptrdiff_t ldv, const float *ks,
+                        ptrdiff_t ldks, const float *vs, ptrdiff_t ldvs, ptrdiff_t n,
+                        ptrdiff_t E, ptrdiff_t Ev, float scale, float *m, float *l, float *O,
+                        ptrdiff_t ldo, int pf_kind, const void *Kpf, const void *Vpf,
+                        ptrdiff_t npf)
 
 # Keys per block (tune.dec_bk, default 48): small enough that a block's V (Bk x Ev floats)
 # stays in L1 across the P·V column panels, a multiple of the 12-row key strip so fa_qk never
@@ -262,15 +263,14 @@ cdef inline void dec_group_run(AttnProblem *p, Work *w, ptrdiff_t hk, int64_t ko
     cdef ptrdiff_t item
     if p.kv_kind:
         item = 1 if p.kv_kind == 3 else 2
-        fa_decode_lowp_avx2(p.kv_kind, <int>w.rows, q, p.E,
-                            p.k + (ko + hk * p.ksh) * item, p.kss,
-                            p.v + (vo + hk * p.vsh) * item, p.vss,
-                            p.ksc + kc + hk * p.kch if p.ksc != NULL else NULL, p.kcs,
-                            p.vsc + vc + hk * p.vch if p.vsc != NULL else NULL, p.vcs,
-                            n, p.E, p.Ev, <float>p.scale, <float *>w.m, <float *>w.l,
-                            <float *>w.O, p.ldo, dec1_prefetch(p),
-                            p.k + (pko + hk * p.ksh) * item, p.v + (pvo + hk * p.vsh) * item,
-                            npf)
+        fa_decode_lowp(p.kv_kind, <int>w.rows, q, p.E,
+                       p.k + (ko + hk * p.ksh) * item, p.kss,
+                       p.v + (vo + hk * p.vsh) * item, p.vss,
+                       p.ksc + kc + hk * p.kch if p.ksc != NULL else NULL, p.kcs,
+                       p.vsc + vc + hk * p.vch if p.vsc != NULL else NULL, p.vcs,
+                       n, p.E, p.Ev, <float>p.scale, <float *>w.m, <float *>w.l,
+                       <float *>w.O, p.ldo, dec1_prefetch(p),
+                       p.k + (pko + hk * p.ksh) * item, p.v + (pvo + hk * p.vsh) * item, npf)
         return
     cdef const float *K = <const float *>p.k + ko + hk * p.ksh
     cdef const float *V = <const float *>p.v + vo + hk * p.vsh
@@ -295,8 +295,8 @@ cdef inline bint dec_one_row_ok(AttnProblem *p) noexcept nogil:
     """fa_decode1.h / fa_decodeg.h serve this call (float32 on AVX-512), or
     fa_decode_avx2.h (float32 on AVX2, head dims multiples of 8); scores with no modifier."""
     if p.kv_kind:
-        # a low-precision cache: fa_decode_lowp.h, with the same conditions
-        return (fa_decode_lowp_available(p.E, p.Ev) and p.tune.dec_use_dot
+        # a low-precision cache: fa_decode_lowp512.h / fa_decode_lowp.h, the same conditions
+        return (fa_decode_lowp_copy(p.E, p.Ev) != 0 and p.tune.dec_use_dot
                 and p.mask_kind == 0 and p.softcap == 0 and not p.has_alibi
                 and not p.has_dropout)
     return ((fa_decode1_available() or fa_decode_avx2_available(p.E, p.Ev))
