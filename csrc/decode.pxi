@@ -57,6 +57,10 @@ cdef enum:
     DEC_HG_BK_AVX2 = 8
     # ... and fa_decode_lowp.h's (a low-precision cache: its rows are 2-4x shorter)
     DEC_HG_BK_LOWP = 8
+    # ... and fa_decode_lowp512.h's: a call costs ~80 ns besides its keys (a C harness over
+    # the kernel, GQA 4 rows x d = 128, int8, a flash-layout cache in L2, this Xeon): 34 ns a
+    # key at 8 keys a call, 28 at 16, 23 at 32 and 64 (float16 alike); from DRAM 44 -> 40.
+    DEC_HG_BK_LOWP512 = 32
 
 
 cdef void dec_rows(AttnProblem *p, ptrdiff_t g, ptrdiff_t nrg, ptrdiff_t Rcap, ptrdiff_t *b,
@@ -486,8 +490,11 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
         if p.tune.dec_bk_set:
             p.Bk = p.tune.dec_bk
         else:
-            p.Bk = (DEC_HG_BK_LOWP if p.kv_kind else DEC_HG_BK if fa_decode1_available()
-                    else DEC_HG_BK_AVX2)
+            if p.kv_kind:
+                p.Bk = (DEC_HG_BK_LOWP512 if fa_decode_lowp_copy(p.E, p.Ev) == 2
+                        else DEC_HG_BK_LOWP)
+            else:
+                p.Bk = DEC_HG_BK if fa_decode1_available() else DEC_HG_BK_AVX2
     p.prefetch = 2 if p.tune.dec_pf_kind < 0 else p.tune.dec_pf_kind
     p.pf_ahead = p.tune.dec_pf_ahead if p.tune.dec_pf_ahead else p.Bk
     cdef ptrdiff_t chunk = round_up((keys + nsplit - 1) // nsplit, p.Bk) if keys else 1

@@ -218,6 +218,111 @@ def test_attention_reads_each_kind_in_place(backend, rng, kind, Lq, case):
             assert kc[row, n:].tobytes() == before[0][row, n:].tobytes()
 
 
+# ---------------------------------------------------------------------------------------------
+# the compiled decode kernels over each kind, at every SIMD level this CPU has
+# ---------------------------------------------------------------------------------------------
+def _simd_levels():
+    try:
+        from fastattn import _cykernels
+    except ImportError:
+        return ["none"]
+    return _cykernels.simd_levels()
+
+
+@pytest.fixture(params=_simd_levels())
+def simd_level(request):
+    """The cython extension forced to one SIMD copy (FASTATTN_SIMD's levels), reset after."""
+    if request.param == "none" or not fa.backends()["cython"].available:
+        pytest.skip("the cython backend is not available")
+    from fastattn import _cykernels
+    assert _cykernels.set_simd(request.param) == request.param
+    yield request.param
+    _cykernels.set_simd(None)
+
+
+# The copy of the low-precision decode kernel that serves head dims (E, Ev) at each level:
+# fa_decode_lowp512.h takes multiples of 16, fa_decode_lowp.h multiples of 8, the general path
+# (a key block converted at a time) the rest.
+LOWP_DIMS = [(64, 64), (128, 128), (128, 64), (24, 24), (20, 20)]
+
+
+def _lowp_copy_expected(level, E, Ev):
+    if level == "avx512" and E % 16 == 0 and Ev % 16 == 0:
+        return "avx512"
+    if level in ("avx2", "avx512") and E % 8 == 0 and Ev % 8 == 0:
+        return "avx2"
+    return None
+
+
+def test_each_level_takes_its_lowp_decode_copy(simd_level):
+    """Fails if the AVX-512 copy is not taken at the avx512 level (or AVX2's at avx2), or if a
+    head dim it cannot take is not handed down."""
+    from fastattn import _cykernels
+    for E, Ev in LOWP_DIMS + [(16, 24), (8, 8), (256, 256)]:
+        assert _cykernels.decode_lowp_copy(E, Ev) == _lowp_copy_expected(simd_level, E, Ev), \
+            (simd_level, E, Ev)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dims", LOWP_DIMS, ids=[f"{e}x{ev}" for e, ev in LOWP_DIMS])
+@pytest.mark.parametrize("G", range(1, 9))
+def test_lowp_decode_kernels_every_simd_copy(rng, simd_level, kind, dims, G):
+    """One query token per sequence, GQA groups of 1..8 rows, ragged lengths (0, 1, across the
+    kernels' 32- and 64-key blocks), flat (G odd) or paged (G even) caches: the cython decode
+    at this SIMD level against the dense float64 computation over the values the cache
+    holds."""
+    from fastattn import _cykernels
+    E, Ev = dims
+    B, Hkv, page = 5, 2, 16
+    lens = np.array([0, 1, 33, 97, 250], np.int32)
+    S_max = 256
+    paged = G % 2 == 0
+    n_rows = B * S_max // page if paged else B
+    kc, ks = make_cache(rng, kind, (n_rows, page if paged else S_max, Hkv, E))
+    vc, vs = make_cache(rng, kind, (n_rows, page if paged else S_max, Hkv, Ev))
+    q = rng.standard_normal((B, 1, Hkv * G, E)).astype(np.float32)
+    where = {}
+    if paged:
+        where["block_table"] = rng.permutation(n_rows).astype(np.int32).reshape(B, -1)
+    out, lse = fa.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, return_lse=True,
+                                         backend="cython", **scales_kw(ks, vs), **where)
+    assert _cykernels.decode_lowp_copy(E, Ev) == _lowp_copy_expected(simd_level, E, Ev)
+    for b in range(B):
+        n = int(lens[b])
+        if paged:
+            pages = where["block_table"][b]
+            sq = lambda a: None if a is None else a[pages].reshape((-1,) + a.shape[2:])[:n]
+        else:
+            sq = lambda a: None if a is None else a[b, :n]
+        if n == 0:                       # no key: out 0, lse -inf (the cache tests' rule)
+            assert not out[b].any() and np.all(lse[b] == -np.inf)
+            continue
+        want, want_lse = dense(q[b], held(sq(kc), sq(ks)), held(sq(vc), sq(vs)))
+        np.testing.assert_allclose(out[b], want, rtol=TOL, atol=TOL)
+        np.testing.assert_allclose(lse[b], want_lse, rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_lowp_decode_long_cache_every_simd_copy(rng, simd_level, threads, monkeypatch):
+    """Many blocks, and at 2 threads keys split across them (flash-decoding partials merged):
+    an int8 and a float16 cache of up to 3000 keys, GQA 4 rows, d = 128."""
+    B, Hkv, G, E, S = 2, 2, 4, 128, 3000
+    lens = np.array([S, 2049], np.int32)
+    q = rng.standard_normal((B, 1, Hkv * G, E)).astype(np.float32)
+    monkeypatch.setenv("FASTATTN_NUM_THREADS", threads)
+    fa.reload_environment()
+    for kind in ("int8", "float16"):
+        kc, ks = make_cache(rng, kind, (B, S, Hkv, E))
+        vc, vs = make_cache(rng, kind, (B, S, Hkv, E))
+        out = fa.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, backend="cython",
+                                        **scales_kw(ks, vs))
+        for b in range(B):
+            n = int(lens[b])
+            want, _ = dense(q[b], held(kc[b, :n], None if ks is None else ks[b, :n]),
+                            held(vc[b, :n], None if vs is None else vs[b, :n]))
+            np.testing.assert_allclose(out[b], want, rtol=TOL, atol=TOL)
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("q_dtype", [np.float64, np.float16, BF16])
 def test_q_of_another_dtype_gives_out_in_its_dtype(rng, kind, q_dtype):
