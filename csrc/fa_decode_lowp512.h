@@ -161,6 +161,50 @@ FA_LP5_INL void fa_lp5_pv_cols_(const int KIND, const int R, const float *P, ptr
     }
 }
 
+/* P·V as a function of its own per kind and row count: inlined into the block, it kept
+ * only 15 accumulators in registers and spilled the rest (the block's constants, hoisted out
+ * of the loops, held a dozen zmm registers all along) */
+#define FA_LP5_PV_FN(KK, RR)                                                                 \
+    static __attribute__((noinline)) FA_LP5 void fa_lp5_pv_##KK##_##RR(                      \
+        const float *P, ptrdiff_t n, const void *V, ptrdiff_t ldv, ptrdiff_t Ev, float *O,    \
+        ptrdiff_t ldo)                                                                        \
+    {                                                                                         \
+        fa_lp5_pv_cols_(KK, RR, P, n, V, ldv, Ev, O, ldo);                                    \
+    }
+#define FA_LP5_PV_FNS(KK)                                                                    \
+    FA_LP5_PV_FN(KK, 1) FA_LP5_PV_FN(KK, 2) FA_LP5_PV_FN(KK, 3) FA_LP5_PV_FN(KK, 4)          \
+    FA_LP5_PV_FN(KK, 5) FA_LP5_PV_FN(KK, 6) FA_LP5_PV_FN(KK, 7) FA_LP5_PV_FN(KK, 8)
+FA_LP5_PV_FNS(1)
+FA_LP5_PV_FNS(2)
+FA_LP5_PV_FNS(3)
+#undef FA_LP5_PV_FNS
+#undef FA_LP5_PV_FN
+
+FA_LP5_INL void fa_lp5_pv_any_(const int KIND, const int R, const float *P, ptrdiff_t n,
+                               const void *V, ptrdiff_t ldv, ptrdiff_t Ev, float *O,
+                               ptrdiff_t ldo)
+{
+#define FA_LP5_PV_R(KK)                                                                      \
+    switch (R) {                                                                             \
+    case 1: fa_lp5_pv_##KK##_1(P, n, V, ldv, Ev, O, ldo); break;                             \
+    case 2: fa_lp5_pv_##KK##_2(P, n, V, ldv, Ev, O, ldo); break;                             \
+    case 3: fa_lp5_pv_##KK##_3(P, n, V, ldv, Ev, O, ldo); break;                             \
+    case 4: fa_lp5_pv_##KK##_4(P, n, V, ldv, Ev, O, ldo); break;                             \
+    case 5: fa_lp5_pv_##KK##_5(P, n, V, ldv, Ev, O, ldo); break;                             \
+    case 6: fa_lp5_pv_##KK##_6(P, n, V, ldv, Ev, O, ldo); break;                             \
+    case 7: fa_lp5_pv_##KK##_7(P, n, V, ldv, Ev, O, ldo); break;                             \
+    default: fa_lp5_pv_##KK##_8(P, n, V, ldv, Ev, O, ldo); break;                            \
+    }
+    if (KIND == 1) {
+        FA_LP5_PV_R(1)
+    } else if (KIND == 2) {
+        FA_LP5_PV_R(2)
+    } else {
+        FA_LP5_PV_R(3)
+    }
+#undef FA_LP5_PV_R
+}
+
 /* One block of nb <= FA_D1_BK keys for R rows; meanwhile rows [0, npf) of the next block
  * (Kpf / Vpf, same strides) are prefetched with `kind` (fa_prefetch). */
 FA_LP5_INL void fa_lp5_block_(const int KIND, const int R, const float *q, ptrdiff_t ldq,
@@ -229,7 +273,7 @@ FA_LP5_INL void fa_lp5_block_(const int KIND, const int R, const float *q, ptrdi
                 _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), av));
         }
     }
-    fa_lp5_pv_cols_(KIND, R, P, nb, Vb, ldv, Ev, O, ldo);
+    fa_lp5_pv_any_(KIND, R, P, nb, Vb, ldv, Ev, O, ldo);
 }
 
 #define FA_LP5_CASE(KK, RR)                                                                 \
