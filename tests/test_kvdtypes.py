@@ -261,6 +261,8 @@ def test_each_level_takes_its_lowp_decode_copy(simd_level):
     for E, Ev in LOWP_DIMS + [(16, 24), (8, 8), (256, 256)]:
         assert _cykernels.decode_lowp_copy(E, Ev) == _lowp_copy_expected(simd_level, E, Ev), \
             (simd_level, E, Ev)
+    assert fa.backends()["cython"].details["lowp_decode"] == _lowp_copy_expected(simd_level,
+                                                                                 16, 16)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -103,5 +103,8 @@ class CythonBackend(CompiledBackend):
 
     def details(self) -> dict:
         k = self._k
+        # the low-precision-cache decode's copy for head dims multiples of 16 (multiples of 8
+        # only: the AVX2 copy; others, or None: the tile path converts a key block at a time)
         return {"pool": bool(k.POOL_ENABLED), "openmp": bool(k.OPENMP_ENABLED),
-                "simd": k.simd(), "max_threads": k.max_threads()}
+                "simd": k.simd(), "lowp_decode": k.decode_lowp_copy(16),
+                "max_threads": k.max_threads()}
