@@ -274,9 +274,11 @@ FA_FN void FN(fa_pv)(const FA_T *P, ptrdiff_t ldp, ptrdiff_t n, const FA_T *V, p
      * (bench/ab_trees.py, 9 rounds): forward d = 64 L = 2048 0.95x the time, d = 128 0.93x.
      * A misaligned V (NumPy's allocations start 16 or 32 bytes past a line) is copied a chunk
      * at a time into aligned scratch so the V loads do not split lines.  O is rescaled by
-     * alpha first, then gets the same 32-key chunk sums in the same order: the same bits. */
+     * alpha first, then gets the same 32-key chunk sums in the same order: the same bits.
+     * Only where a tile's strip of V (n rows x 4 vectors) exceeds 32 KiB: the backward's dQ
+     * product (96-key sub-blocks, 24 KiB strips) ran 1.01-1.04x the time in key chunks. */
 #define FA_PV_KC 64
-    if (c4 > 0 && rows >= 6 && Ev <= 256) {
+    if (c4 > 0 && rows >= 6 && Ev <= 256 && n * 4 * FA_VW * (ptrdiff_t)sizeof(FA_T) > 32768) {
         const ptrdiff_t kc = Ev <= 128 ? FA_PV_KC : FA_PV_KC / 2;
         const int pack = (((uintptr_t)V | (uintptr_t)(ldv * sizeof(FA_T))) & 63) != 0;
         FA_T Vp[FA_PV_KC * 128] __attribute__((aligned(64)));
