@@ -271,7 +271,9 @@ FA_FN void FN(fa_pv)(const FA_T *P, ptrdiff_t ldp, ptrdiff_t n, const FA_T *V, p
      * over fa_qk/fa_softmax/fa_pv, Sapphire Rapids, 2 MiB L2, 48 KiB L1d).  Now every row
      * tile takes a chunk of FA_PV_KC keys (16 KiB of V at d = 64, 32 KiB at 128) while it
      * stays in L1: 151-152 GF/s at d = 64, 146 at d = 128 (was 128-135).  Through the library
-     * (bench/ab_trees.py, 9 rounds): forward d = 64 L = 2048 0.95x the time, d = 128 0.93x.
+     * (bench/ab_trees.py, 9 rounds): forward d = 64 L = 2048 0.95x the time, d = 128 0.93x;
+     * with 64-byte aligned inputs (as torch allocates them) 0.965x at d = 64 H = 16 and
+     * 0.98x at d = 128, the rest of the gain being the packing below.
      * A misaligned V (NumPy's allocations start 16 or 32 bytes past a line) is copied a chunk
      * at a time into aligned scratch so the V loads do not split lines.  O is rescaled by
      * alpha first, then gets the same 32-key chunk sums in the same order: the same bits.
