@@ -264,6 +264,70 @@ FA_FN void FN(fa_pv)(const FA_T *P, ptrdiff_t ldp, ptrdiff_t n, const FA_T *V, p
      * of the columns and the last < 6 rows.  Per output element the same sum in the same
      * order (32-key chunks added to O), so the same bits. */
     const ptrdiff_t c4 = Ev - Ev % (4 * FA_VW);
+    /* 32-register ISAs with >= 6 rows: key chunks outer, row tiles inner.  A 6-row tile used
+     * to run over all n keys of the block, so it streamed the block's whole V (192 keys x
+     * 256 B at d = 64 = 48 KiB, L1d's size) from L2 for every 6 rows, and one S line per key
+     * besides: P·V ran at 142 GF/s on one core against 151 for the same-size Q·Kᵀ (C harness
+     * over fa_qk/fa_softmax/fa_pv, Sapphire Rapids, 2 MiB L2, 48 KiB L1d).  Now every row
+     * tile takes a chunk of FA_PV_KC keys (16 KiB of V at d = 64, 32 KiB at 128) while it
+     * stays in L1: 151-152 GF/s at d = 64, 146 at d = 128 (was 128-135).  Through the library
+     * (bench/ab_trees.py, 9 rounds): forward d = 64 L = 2048 0.95x the time, d = 128 0.93x;
+     * with 64-byte aligned inputs (as torch allocates them) 0.965x at d = 64 H = 16 and
+     * 0.98x at d = 128, the rest of the gain being the packing below.
+     * A misaligned V (NumPy's allocations start 16 or 32 bytes past a line) is copied a chunk
+     * at a time into aligned scratch so the V loads do not split lines.  O is rescaled by
+     * alpha first, then gets the same 32-key chunk sums in the same order: the same bits.
+     * Only where a tile's strip of V (n rows x 4 vectors) exceeds 32 KiB: the backward's dQ
+     * product (96-key sub-blocks, 24 KiB strips) ran 1.01-1.04x the time in key chunks. */
+#define FA_PV_KC 64
+    if (c4 > 0 && rows >= 6 && Ev <= 256 && n * 4 * FA_VW * (ptrdiff_t)sizeof(FA_T) > 32768) {
+        const ptrdiff_t kc = Ev <= 128 ? FA_PV_KC : FA_PV_KC / 2;
+        const int pack = (((uintptr_t)V | (uintptr_t)(ldv * sizeof(FA_T))) & 63) != 0;
+        FA_T Vp[FA_PV_KC * 128] __attribute__((aligned(64)));
+        for (ptrdiff_t rr = 0; rr < rows; rr++) {
+            const VT a = BC(alpha[rr]);
+            FA_T *o = O + rr * ldo;
+            ptrdiff_t c = 0;
+            for (; c + FA_VW <= Ev; c += FA_VW) ST(o + c, LD(o + c) * a);
+            for (; c < Ev; c++) o[c] *= alpha[rr];
+        }
+        for (ptrdiff_t i0 = 0; i0 < n; i0 += kc) {
+            const ptrdiff_t ni = n - i0 < kc ? n - i0 : kc;
+            const FA_T *Vc = V + i0 * ldv;
+            ptrdiff_t ldc = ldv;
+            if (pack) {
+                for (ptrdiff_t j = 0; j < ni; j++) {
+                    ptrdiff_t c = 0;
+                    for (; c + FA_VW <= Ev; c += FA_VW) ST(Vp + j * Ev + c, LD(Vc + j * ldv + c));
+                    for (; c < Ev; c++) Vp[j * Ev + c] = Vc[j * ldv + c];
+                }
+                Vc = Vp;
+                ldc = Ev;
+            }
+            const FA_T *Pc = P + i0 * ldp;
+            for (r = 0; r + 6 <= rows; r += 6) {
+                ptrdiff_t c = 0;
+                for (; c < c4; c += 4 * FA_VW)
+                    FN(fa_acc_tile_)(6, 4, Pc + r, ldp, 1, ni, Vc + c, ldc, O + r * ldo + c, ldo);
+                for (; c + NR <= Ev; c += NR)
+                    FN(fa_acc_tile_)(6, FA_NV, Pc + r, ldp, 1, ni, Vc + c, ldc, O + r * ldo + c, ldo);
+                for (; c + FA_VW <= Ev; c += FA_VW)
+                    FN(fa_acc_tile_)(6, 1, Pc + r, ldp, 1, ni, Vc + c, ldc, O + r * ldo + c, ldo);
+                if (c < Ev)
+                    FN(fa_acc_cols_)(6, Pc + r, ldp, 1, ni, Vc, ldc, c, Ev, O + r * ldo, ldo, NULL);
+            }
+            for (; r < rows; r++) {
+                ptrdiff_t c = 0;
+                for (; c + NR <= Ev; c += NR)
+                    FN(fa_acc_tile_)(1, FA_NV, Pc + r, ldp, 1, ni, Vc + c, ldc, O + r * ldo + c, ldo);
+                for (; c + FA_VW <= Ev; c += FA_VW)
+                    FN(fa_acc_tile_)(1, 1, Pc + r, ldp, 1, ni, Vc + c, ldc, O + r * ldo + c, ldo);
+                if (c < Ev)
+                    FN(fa_acc_cols_)(1, Pc + r, ldp, 1, ni, Vc, ldc, c, Ev, O + r * ldo, ldo, NULL);
+            }
+        }
+        return;
+    }
     if (c4 > 0 && rows >= 6) {
         for (; r + 6 <= rows; r += 6) {
             for (ptrdiff_t c = 0; c < c4; c += 4 * FA_VW)
