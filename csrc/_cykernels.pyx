@@ -84,9 +84,22 @@ cdef void pool_test_body(void *ctx) noexcept nogil:
         it = fa_share_next(&j.share)
 
 
-def _pool_selftest(int n_threads, Py_ssize_t n_items, double item_us=0.0):
-    """Run a job of n_items on the pool with up to n_threads threads; returns (list of how
-    often each item ran, how many threads ran the job's body)."""
+def _pool_spin_us(double us=-1.0):
+    """How long the pool's helpers stay awake after a job, in microseconds (csrc/fa_pool.h);
+    with us >= 0, set it (0: they sleep at once).  Returns the value before.  For the bench's
+    A/B runs; the default is measured in bench/results/pool_spin.md."""
+    if us < 0:
+        old = fa_pool_set_spin_ns(0)
+        fa_pool_set_spin_ns(old)
+    else:
+        old = fa_pool_set_spin_ns(<int64_t>(us * 1000.0))
+    return old / 1000.0
+
+
+def _pool_selftest(int n_threads, Py_ssize_t n_items, double item_us=0.0, bint wake=True):
+    """Run a job of n_items on the pool with up to n_threads threads (wake=False: as a small
+    decode, without waking sleeping helpers unless calls come in a tight loop); returns (list
+    of how often each item ran, how many threads ran the job's body)."""
     if n_items < 0 or n_threads < 1:
         raise ValueError(f"_pool_selftest: need n_threads >= 1 and n_items >= 0, got "
                          f"{n_threads}, {n_items}")
@@ -101,7 +114,7 @@ def _pool_selftest(int n_threads, Py_ssize_t n_items, double item_us=0.0):
     fa_share_init(&job.share)
     with nogil:
         ran = fa_pool_run(resolve_threads(n_threads, max(<Py_ssize_t>1, n_items)),
-                          pool_test_body, &job)
+                          pool_test_body, &job, wake)
     counts = [job.counts[i] for i in range(n_items)]
     free(job.counts)
     return counts, ran

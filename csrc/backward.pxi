@@ -668,9 +668,9 @@ cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept nogi
         job.fail = 0
         fa_share_init(&job.share)
         if floating is double:
-            fa_pool_run(nt, bwd_job_d, &job)
+            fa_pool_run(nt, bwd_job_d, &job, 1)
         else:
-            fa_pool_run(nt, bwd_job_f, &job)
+            fa_pool_run(nt, bwd_job_f, &job, 1)
         fail = job.fail
     if p.has_sinks and not fail:
         bwd_sinks_sum(p, a, dummy)
@@ -683,9 +683,9 @@ cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept nogi
             job.rows_per = rows_per
             fa_share_init(&job.share)
             if floating is double:
-                fa_pool_run(nt, bwd_red_job_d, &job)
+                fa_pool_run(nt, bwd_red_job_d, &job, 1)
             else:
-                fa_pool_run(nt, bwd_red_job_f, &job)
+                fa_pool_run(nt, bwd_red_job_f, &job, 1)
     free(a.kpart)
     free(a.vpart)
     free(a.ubound)

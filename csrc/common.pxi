@@ -20,8 +20,9 @@ cdef extern from "fa_pool.h" nogil:
     # the kernels' thread pool: the caller runs the body at once, free helpers join it
     ctypedef void (*fa_body)(void *ctx) noexcept nogil
     int FA_POOL_ENABLED
-    int fa_pool_run(int nt, fa_body fn, void *ctx)
+    int fa_pool_run(int nt, fa_body fn, void *ctx, int wake)
     int fa_pool_helpers()
+    int64_t fa_pool_set_spin_ns(int64_t ns)
 
 cdef extern from "fa_scratch.h" nogil:
     void *fa_scratch_get(size_t nbytes)

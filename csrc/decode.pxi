@@ -48,6 +48,11 @@ cdef extern from "fa_decode_lowp512.h" nogil:
 cdef enum:
     DEC_RCAP = 192                   # lanes per item (query rows of one KV group)
     DEC_MIN_CHUNK = 1024             # do not split keys finer than this
+    # A call reading less K/V than this does not wake sleeping pool helpers: one arrives
+    # ~25-50 us after the wake on a VM, when the caller is nearly done (cython_.py's
+    # serial_decode_bytes, bench/results/pool_spin.md).  Helpers that are awake, spinning
+    # between the jobs of a tight loop (csrc/fa_pool.h), join any call.
+    DEC_WAKE_BYTES = 4 << 20
     DEC_HG_BK = 32                   # keys per block of dec_heads_group (AVX-512 kernels)
     # ... with the AVX2 kernel (fa_decode_avx2.h): on a Zen 3 guest (512 KiB L2, 32 KiB 8-way
     # L1) a kv head's rows of a flash-layout cache lie Hkv * d * 4 bytes apart (4 KiB at
@@ -457,7 +462,8 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
     if n_groups == 0:
         return 0
     # The caller chooses the threads by the bytes the call reads (fastattn/_backends/
-    # _compiled.py, decode_threads): a small call arrives with n_threads = 1.
+    # _compiled.py, decode_threads): a small call arrives with n_threads = 1, a call below
+    # DEC_WAKE_BYTES takes only helpers that are awake.
     cdef int nt = resolve_threads(p.n_threads, 1 << 30)
     # Enough items for the dynamic schedule to even out (the machines are shared: a thread
     # that gets descheduled should leave little behind), but chunks of >= DEC_MIN_CHUNK keys.
@@ -513,6 +519,8 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
     cdef int fail = 0
     cdef DecJob job
     cdef Work *w = NULL
+    cdef int64_t item
+    cdef bint wake
     if nt == 1:
         w = work_new_n(p, dummy, n_works)
         if w == NULL:
@@ -537,10 +545,12 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
         job.part_ml = part_ml
         job.fail = 0
         fa_share_init(&job.share)
+        item = sizeof(floating) if p.kv_kind == 0 else 1 if p.kv_kind == 3 else 2
+        wake = p.B * p.Hkv * keys * (p.E + p.Ev) * item >= DEC_WAKE_BYTES
         if floating is double:
-            fa_pool_run(nt, dec_job_d, &job)
+            fa_pool_run(nt, dec_job_d, &job, wake)
         else:
-            fa_pool_run(nt, dec_job_f, &job)
+            fa_pool_run(nt, dec_job_f, &job, wake)
         fail = job.fail
     if nsplit > 1 and not fail:
         for g in range(n_groups):

@@ -15,6 +15,18 @@
  * that are inside (each finishing the item it holds).  A helper that wakes late finds the job
  * closed and goes back to sleep; it never touches the caller's stack.
  *
+ * Between jobs a helper may first spin for a short while (up to the spin budget, yielding its
+ * core on every turn, so a runnable thread of another library gets it), then sleeps on a
+ * condition variable.  Why spin at all: waking a sleeping thread on a VM is an interrupt to a
+ * halted vCPU, ~25-50 us before the helper runs, longer than a small decode takes.  Why only
+ * sometimes: a spinning helper takes time slices from the caller's next BLAS call.  So
+ * helpers spin after a job only when calls come in a tight loop (this job was published
+ * within the budget of the one before: a decode loop, the latency bench); in a NumPy model
+ * whose matmuls between attention calls take longer than the budget they sleep at once.
+ * A small job (wake = 0: a decode of less than a few MiB) does not wake sleeping helpers
+ * unless the loop is tight: the caller does it alone, or with helpers that are spinning.
+ * Which threads run a job never changes its result (items are claimed, not assigned).
+ *
  * One job at a time: a second thread calling while a job runs (Python threads releasing the
  * GIL) runs its body alone, on its own thread -- correct, not parallel.  After fork the pool
  * is emptied in the child (its threads do not exist there) and rebuilt on first use.
@@ -33,8 +45,14 @@ typedef void (*fa_body)(void *ctx);
 
 #if defined(_WIN32)
 
-static inline int fa_pool_run(int nt, fa_body fn, void *ctx) { (void)nt; fn(ctx); return 1; }
+static inline int fa_pool_run(int nt, fa_body fn, void *ctx, int wake)
+{
+    (void)nt; (void)wake;
+    fn(ctx);
+    return 1;
+}
 static inline int fa_pool_helpers(void) { return 0; }
+static inline int64_t fa_pool_set_spin_ns(int64_t ns) { (void)ns; return 0; }
 #define FA_POOL_ENABLED 0
 
 #else
@@ -48,21 +66,71 @@ static inline int fa_pool_helpers(void) { return 0; }
 #define FA_POOL_COUNT ((uint64_t)0x7fffffff)
 
 typedef struct {
-    pthread_mutex_t mu;                /* guards gen_wake, n_helpers; the helpers sleep on cv */
+    pthread_mutex_t mu;                /* guards n_helpers; the helpers sleep on cv */
     pthread_cond_t cv;
     pthread_mutex_t run;               /* held by the thread whose job is published */
     uint64_t word;                     /* (generation << 32) | CLOSED | helpers entered */
-    uint32_t gen_wake;                 /* the newest job's generation, for the sleepers */
     int left;                          /* helpers that entered the current job and left */
     int n_helpers;                     /* helper threads started */
     int want;                          /* helpers the current job may take */
+    int64_t last_pub_ns;               /* when the job before was published */
+    int64_t spin_after;                /* how long helpers spin after the current job, ns */
     fa_body fn;                        /* the current job; valid while a helper is inside */
     void *ctx;
 } fa_pool_t;
 
 static fa_pool_t fa_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-                            PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, 0, 0, NULL, NULL};
+                            PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, 0, 0, 0, NULL, NULL};
 static pthread_once_t fa_pool_once = PTHREAD_ONCE_INIT;
+
+/* The spin budget, in ns (fa_pool_set_spin_ns; 0: helpers always sleep at once): how long a
+ * helper stays awake after a job of a tight loop (bench/results/pool_spin.md). */
+#ifndef FA_POOL_SPIN_NS
+#define FA_POOL_SPIN_NS 200000
+#endif
+static int64_t fa_pool_spin_ns = FA_POOL_SPIN_NS;
+
+static inline int64_t fa_pool_set_spin_ns(int64_t ns)
+{
+    return __atomic_exchange_n(&fa_pool_spin_ns, ns < 0 ? 0 : ns, __ATOMIC_RELAXED);
+}
+
+static inline uint32_t fa_pool_gen(void)
+{
+    return (uint32_t)(__atomic_load_n(&fa_pool.word, __ATOMIC_ACQUIRE) >> 32);
+}
+
+static inline int64_t fa_pool_now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* Wait for a job newer than `seen` and return its generation: spin for up to the budget,
+ * giving the core away on every turn, then sleep until fa_pool_run broadcasts. */
+static uint32_t fa_pool_wait_next(uint32_t seen)
+{
+    const int64_t budget = __atomic_load_n(&fa_pool.spin_after, __ATOMIC_RELAXED);
+    if (budget > 0) {
+        const int64_t end = fa_pool_now_ns() + budget;
+        uint32_t g = seen;
+        for (int turn = 1;; turn++) {
+            g = fa_pool_gen();
+            if (g != seen || ((turn & 7) == 0 && fa_pool_now_ns() > end))
+                break;
+            sched_yield();
+        }
+        if (g != seen)
+            return g;
+    }
+    pthread_mutex_lock(&fa_pool.mu);
+    while (fa_pool_gen() == seen)      /* the caller publishes the word before it takes mu */
+        pthread_cond_wait(&fa_pool.cv, &fa_pool.mu);
+    const uint32_t g = fa_pool_gen();
+    pthread_mutex_unlock(&fa_pool.mu);
+    return g;
+}
 
 /* enter job `gen` unless it is closed, superseded or has had all the helpers it may take */
 static int fa_pool_enter(uint32_t gen)
@@ -81,26 +149,16 @@ static int fa_pool_enter(uint32_t gen)
 static void *fa_pool_helper(void *arg)
 {
     (void)arg;
-    uint32_t seen;
-    pthread_mutex_lock(&fa_pool.mu);
-    seen = fa_pool.gen_wake;           /* a job published before this thread started is */
-    pthread_mutex_unlock(&fa_pool.mu); /* still open: try it first                         */
-    if (seen && fa_pool_enter(seen)) {
-        fa_pool.fn(fa_pool.ctx);
-        __atomic_fetch_add(&fa_pool.left, 1, __ATOMIC_RELEASE);
-    }
+    /* a job published before this thread started may still be open: try it first */
+    uint32_t seen = fa_pool_gen();
     for (;;) {
-        pthread_mutex_lock(&fa_pool.mu);
-        while (fa_pool.gen_wake == seen)
-            pthread_cond_wait(&fa_pool.cv, &fa_pool.mu);
-        seen = fa_pool.gen_wake;
-        pthread_mutex_unlock(&fa_pool.mu);
-        if (fa_pool_enter(seen)) {
+        if (seen && fa_pool_enter(seen)) {
             /* fn and ctx were written before the generation was published (release) and
              * stay valid until the caller sees this helper leave */
             fa_pool.fn(fa_pool.ctx);
             __atomic_fetch_add(&fa_pool.left, 1, __ATOMIC_RELEASE);
         }
+        seen = fa_pool_wait_next(seen);
     }
     return NULL;
 }
@@ -113,10 +171,11 @@ static void fa_pool_after_fork_child(void)
     pthread_cond_init(&fa_pool.cv, NULL);
     pthread_mutex_init(&fa_pool.run, NULL);
     fa_pool.word = 0;
-    fa_pool.gen_wake = 0;
     fa_pool.n_helpers = 0;
     fa_pool.want = 0;
     fa_pool.left = 0;
+    fa_pool.last_pub_ns = 0;
+    fa_pool.spin_after = 0;
 }
 
 static void fa_pool_init_once(void) { pthread_atfork(NULL, NULL, fa_pool_after_fork_child); }
@@ -145,9 +204,10 @@ static void fa_pool_grow(int n)
 static inline int fa_pool_helpers(void) { return fa_pool.n_helpers; }
 
 /* Run fn(ctx) on the calling thread and on up to nt - 1 helpers that are free before the
- * caller's own fn returns.  Returns when every fn that started has returned, with their
- * writes visible.  Returns the number of threads that ran fn (>= 1). */
-static int fa_pool_run(int nt, fa_body fn, void *ctx)
+ * caller's own fn returns (wake = 0: only helpers already awake, unless the calls come in a
+ * tight loop).  Returns when every fn that started has returned, with their writes
+ * visible.  Returns the number of threads that ran fn (>= 1). */
+static int fa_pool_run(int nt, fa_body fn, void *ctx, int wake)
 {
     if (nt <= 1) {
         fn(ctx);
@@ -165,12 +225,18 @@ static int fa_pool_run(int nt, fa_body fn, void *ctx)
     fa_pool.fn = fn;
     fa_pool.ctx = ctx;
     fa_pool.want = nt - 1;
+    const int64_t now = fa_pool_now_ns();
+    const int64_t budget = __atomic_load_n(&fa_pool_spin_ns, __ATOMIC_RELAXED);
+    const int tight = now - fa_pool.last_pub_ns <= budget;
+    __atomic_store_n(&fa_pool.spin_after, tight ? budget : 0, __ATOMIC_RELAXED);
+    fa_pool.last_pub_ns = now;
     __atomic_store_n(&fa_pool.left, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&fa_pool.word, (uint64_t)gen << 32, __ATOMIC_RELEASE);
-    pthread_mutex_lock(&fa_pool.mu);
-    fa_pool.gen_wake = gen;
-    pthread_cond_broadcast(&fa_pool.cv);
-    pthread_mutex_unlock(&fa_pool.mu);
+    if (wake || tight) {               /* (spinning helpers see the word without this) */
+        pthread_mutex_lock(&fa_pool.mu);   /* no system call if none sleeps */
+        pthread_cond_broadcast(&fa_pool.cv);
+        pthread_mutex_unlock(&fa_pool.mu);
+    }
 
     fn(ctx);
 

@@ -572,9 +572,9 @@ cdef int run_forward(AttnProblem *p, floating *dummy) noexcept nogil:
     job.fail = 0
     fa_share_init(&job.share)
     if floating is double:
-        fa_pool_run(nt, fwd_job_d, &job)
+        fa_pool_run(nt, fwd_job_d, &job, 1)
     else:
-        fa_pool_run(nt, fwd_job_f, &job)
+        fa_pool_run(nt, fwd_job_f, &job, 1)
     fail = job.fail
     return -fail
 

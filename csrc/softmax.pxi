@@ -61,9 +61,9 @@ cdef void softmax_parallel(const floating *xp, const uint8_t *mp, floating *op, 
     job.rows = rows
     fa_share_init(&job.share)
     if floating is double:
-        fa_pool_run(nt, softmax_job_d, &job)
+        fa_pool_run(nt, softmax_job_d, &job, 1)
     else:
-        fa_pool_run(nt, softmax_job_f, &job)
+        fa_pool_run(nt, softmax_job_f, &job, 1)
 
 
 cdef void softmax_job_body(SoftmaxJob *j, floating *dummy) noexcept nogil:

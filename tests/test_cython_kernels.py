@@ -3,6 +3,8 @@ AVX-512), both attention kernels (forward, and decode, which must be right for a
 only used for small L), 1 and 2 threads, against the float64 reference."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from helpers import assert_close_to_reference, randn
@@ -877,6 +879,41 @@ def test_pool_runs_every_item_once(K, threads, n_items):
         counts, ran = K._pool_selftest(threads, n_items, 2.0)
         assert counts == [1] * n_items
         assert 1 <= ran <= max(1, min(threads, n_items))
+
+
+@pytest.mark.parametrize("wake", [True, False])
+@pytest.mark.parametrize("spin_us", [0.0, 50.0, 5000.0])
+def test_pool_spin_setting_keeps_every_item_once(K, spin_us, wake):
+    """Helpers that sleep at once (0), that are awake for the next job (5 ms) or in between,
+    jobs that wake sleeping helpers or not (a small decode's): every item still runs exactly
+    once, and the setting reads back."""
+    old = K._pool_spin_us(spin_us)
+    try:
+        assert K._pool_spin_us() == spin_us
+        for pause in (0.0, 0.001, 0.0):              # the next job while helpers spin / sleep
+            for _ in range(10):
+                counts, ran = K._pool_selftest(2, 60, 2.0, wake)
+                assert counts == [1] * 60 and 1 <= ran <= 2
+            time.sleep(pause)
+    finally:
+        K._pool_spin_us(old)
+    assert K._pool_spin_us() == old
+
+
+def test_a_small_job_does_not_wake_sleeping_helpers(K):
+    """wake=False (a decode of less than 4 MiB, csrc/decode.pxi) with every helper asleep
+    (no spin) and no tight loop: the caller runs every item itself, however long it takes."""
+    if not K.POOL_ENABLED:
+        pytest.skip("no pool in this build")
+    old = K._pool_spin_us(0.0)
+    try:
+        K._pool_selftest(2, 10, 1.0)                 # the helper exists (started on first use)
+        for _ in range(3):
+            time.sleep(0.01)                         # it is asleep: the spin budget is 0
+            counts, ran = K._pool_selftest(2, 200, 20.0, False)
+            assert counts == [1] * 200 and ran == 1
+    finally:
+        K._pool_spin_us(old)
 
 
 def test_pool_from_many_python_threads(K):

@@ -260,20 +260,3 @@ def test_a_small_window_of_a_large_cache_decodes_on_one_thread(monkeypatch):
     k = np.zeros((1, 12, 4096, 64), np.float32)             # 25 MB of buffer
     assert be.decode_threads(make_problem(q, k, k), 2) == 2
     assert be.decode_threads(make_problem(q, k, k, window=(0, 100)), 2) == 1   # 101 keys
-
-
-def test_l2_size_from_sysfs(tmp_path):
-    """The cython backend's serial-decode threshold reads the L2 size from sysfs: the level-2
-    entry's size in K or M, and the default where the tree is missing or unreadable."""
-    from fastattn._backends.cython_ import l2_bytes_per_core
-    for name, level, size in [("index0", "1", "32K"), ("index1", "1", "32K"),
-                              ("index2", "2", "512K"), ("index3", "3", "32768K")]:
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "level").write_text(level + "\n")
-        (tmp_path / name / "size").write_text(size + "\n")
-    assert l2_bytes_per_core(base=str(tmp_path)) == 512 << 10
-    (tmp_path / "index2" / "size").write_text("2M\n")
-    assert l2_bytes_per_core(base=str(tmp_path)) == 2 << 20
-    (tmp_path / "index2" / "size").write_text("garbage\n")
-    assert l2_bytes_per_core(default=123, base=str(tmp_path)) == 123
-    assert l2_bytes_per_core(default=77, base=str(tmp_path / "missing")) == 77

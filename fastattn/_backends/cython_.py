@@ -33,48 +33,17 @@ def _import_kernels():
     return _cykernels
 
 
-def l2_bytes_per_core(default: int = 1 << 20,
-                      base: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
-    """The size of cpu0's L2 cache from Linux's sysfs, or `default` where it cannot be read."""
-    try:
-        for entry in sorted(os.listdir(base)):
-            d = os.path.join(base, entry)
-            with open(os.path.join(d, "level")) as f:
-                if f.read().strip() != "2":
-                    continue
-            with open(os.path.join(d, "size")) as f:
-                size = f.read().strip().upper()
-            scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
-            return int(size.rstrip("KM")) * scale
-    except (OSError, ValueError):
-        pass
-    return default
-
-
 class CythonBackend(CompiledBackend):
     name = "cython"
-    # Decode reading less than 128 KiB of K/V runs on the calling thread: there (GPT-2-small
-    # decode up to ~20 keys, a tiny call) a second thread saves less than its wake-up costs.
-    # The bound was 1 MiB (one core's L2), from Zen 4 runs on a loaded host, where a woken
-    # pool thread could wait for a core.  On a quiet Zen 4 guest without AVX-512 (1 MiB L2),
-    # each bound in its own process interleaved with torch, two runs (time vs torch, 12 heads
-    # d = 64): S = 128 (768 KB) 0.66 and 0.79 at 1 MiB, 0.53-0.67 in four runs at 128 KiB;
-    # S = 64 0.82/0.97 -> 0.77-0.85; the latency preset's decode loops 0.56-0.65 -> 0.51-0.61
-    # (views) and 0.51-0.61 -> 0.44-0.49 (window); 96 KB (S = 16) took 9 us on one thread and
-    # 10-10.5 on two (a 64 KiB bound).  Not above one core's L2 on a machine whose L2 is
-    # smaller.
-    serial_decode_bytes = min(128 << 10, l2_bytes_per_core())
-    # ... those measurements had torch in the process, whose libgomp spun between calls, so
-    # the second thread was awake.  The kernels now run on their own pool (csrc/fa_pool.h),
-    # whose helpers always sleep between calls, torch or not: a two-thread call first wakes
-    # one, ~50 us on a VM.  The caller no longer waits for it (it starts at once and the
-    # helper joins when it is up), but below a few MiB the helper arrives when the work is
-    # nearly done.  Without torch, with the passive libgomp the pool replaced, 12 heads
-    # d = 64, calls back to back in batches of 0.1 s, medians of 15: S = 128 (768 KB) took
-    # 67-78 us on two threads against 23 on one, S = 1024 (6.3 MB) 127-133 against 142-145,
-    # S = 2048 251 against 332 (bench/results/openmp_wait.md): so the bound is 4 MiB, about
-    # where one thread's time is twice the wake-up.
-    serial_decode_bytes = 4 << 20
+    # Decode reading less than this of K/V runs on the calling thread: a second thread saves
+    # less than handing it work costs.  Above it the call goes to the kernels' pool
+    # (csrc/fa_pool.h), but below 4 MiB it wakes no sleeping helper (csrc/decode.pxi,
+    # DEC_WAKE_BYTES: one arrives ~25-50 us after the wake on a VM, when the caller is nearly
+    # done): the caller runs it alone, or with a helper still awake from the call before
+    # (helpers spin between the jobs of a tight loop).  Back to back, 12 heads d = 64, Xeon
+    # guest (bench/results/pool_spin.md): S = 32 (192 KB) two threads 1.00 of one thread's
+    # time, S = 64 (384 KB) 0.93, S = 128 0.80-0.87, S = 512 0.35-0.39.
+    serial_decode_bytes = 256 << 10
     # float16, bfloat16 and int8 caches: forward and decode read them (csrc/fa_kvconv.h)
     kv_kinds = (1, 2, 3)
     # a KV cache read in place: forward and decode read it (csrc/forward.pxi attend_rows)
