@@ -21,8 +21,9 @@
  * halted vCPU, ~25-50 us before the helper runs, longer than a small decode takes.  Why only
  * sometimes: a spinning helper takes time slices from the caller's next BLAS call.  So
  * helpers spin after a job only when calls come in a tight loop (this job was published
- * within the budget of the one before: a decode loop, the latency bench); in a NumPy model
- * whose matmuls between attention calls take longer than the budget they sleep at once.
+ * within the budget after the one before ended: a decode loop, the latency bench); in a
+ * NumPy model whose matmuls between attention calls take longer than the budget they sleep
+ * at once.
  * A small job (wake = 0: a decode of less than a few MiB) does not wake sleeping helpers
  * unless the loop is tight: the caller does it alone, or with helpers that are spinning.
  * Which threads run a job never changes its result (items are claimed, not assigned).
@@ -73,7 +74,7 @@ typedef struct {
     int left;                          /* helpers that entered the current job and left */
     int n_helpers;                     /* helper threads started */
     int want;                          /* helpers the current job may take */
-    int64_t last_pub_ns;               /* when the job before was published */
+    int64_t last_end_ns;               /* when the job before ended */
     int64_t spin_after;                /* how long helpers spin after the current job, ns */
     fa_body fn;                        /* the current job; valid while a helper is inside */
     void *ctx;
@@ -84,9 +85,10 @@ static fa_pool_t fa_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
 static pthread_once_t fa_pool_once = PTHREAD_ONCE_INIT;
 
 /* The spin budget, in ns (fa_pool_set_spin_ns; 0: helpers always sleep at once): how long a
- * helper stays awake after a job of a tight loop (bench/results/pool_spin.md). */
+ * helper stays awake after a job of a tight loop, and the longest gap between two jobs that
+ * still counts as a tight loop (bench/results/pool_spin.md). */
 #ifndef FA_POOL_SPIN_NS
-#define FA_POOL_SPIN_NS 200000
+#define FA_POOL_SPIN_NS 100000
 #endif
 static int64_t fa_pool_spin_ns = FA_POOL_SPIN_NS;
 
@@ -174,7 +176,7 @@ static void fa_pool_after_fork_child(void)
     fa_pool.n_helpers = 0;
     fa_pool.want = 0;
     fa_pool.left = 0;
-    fa_pool.last_pub_ns = 0;
+    fa_pool.last_end_ns = 0;
     fa_pool.spin_after = 0;
 }
 
@@ -227,9 +229,8 @@ static int fa_pool_run(int nt, fa_body fn, void *ctx, int wake)
     fa_pool.want = nt - 1;
     const int64_t now = fa_pool_now_ns();
     const int64_t budget = __atomic_load_n(&fa_pool_spin_ns, __ATOMIC_RELAXED);
-    const int tight = now - fa_pool.last_pub_ns <= budget;
+    const int tight = now - fa_pool.last_end_ns <= budget;
     __atomic_store_n(&fa_pool.spin_after, tight ? budget : 0, __ATOMIC_RELAXED);
-    fa_pool.last_pub_ns = now;
     __atomic_store_n(&fa_pool.left, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&fa_pool.word, (uint64_t)gen << 32, __ATOMIC_RELEASE);
     if (wake || tight) {               /* (spinning helpers see the word without this) */
@@ -254,6 +255,7 @@ static int fa_pool_run(int nt, fa_body fn, void *ctx, int wake)
             sched_yield();
         }
     }
+    fa_pool.last_end_ns = fa_pool_now_ns();
     pthread_mutex_unlock(&fa_pool.run);
     return 1 + entered;
 }

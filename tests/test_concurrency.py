@@ -126,8 +126,9 @@ def test_openmp_threads_wait_passively_between_calls(backend):
     """The compiled backends' workers sleep between calls instead of spinning on a core that
     other work needs. Spinning for long (libgomp's default) costs several ms of CPU after
     every call, ~0.2-0.45 s over these 30 calls; passive waiting leaves only the calls' own
-    work (~0.03 s here), and the cython pool's short spin after a job (0.2 ms, csrc/fa_pool.h)
-    adds ~6 ms. A user's own OMP_WAIT_POLICY is respected, so it is removed for the child."""
+    work (~0.03 s here); the cython pool's helpers spin only between the jobs of a tight loop
+    (csrc/fa_pool.h), not here. A user's own OMP_WAIT_POLICY is respected, so it is removed
+    for the child."""
     if backend == "numpy":
         pytest.skip("no OpenMP pool")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}

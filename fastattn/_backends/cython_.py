@@ -42,7 +42,8 @@ class CythonBackend(CompiledBackend):
     # done): the caller runs it alone, or with a helper still awake from the call before
     # (helpers spin between the jobs of a tight loop).  Back to back, 12 heads d = 64, Xeon
     # guest (bench/results/pool_spin.md): S = 32 (192 KB) two threads 1.00 of one thread's
-    # time, S = 64 (384 KB) 0.93, S = 128 0.80-0.87, S = 512 0.35-0.39.
+    # time, S = 64 (384 KB) 0.93, S = 128 0.80-0.87, S = 512 0.35-0.39.  Which threads run
+    # a call never changes its bits: the items depend on n_threads only, chosen here.
     serial_decode_bytes = 256 << 10
     # float16, bfloat16 and int8 caches: forward and decode read them (csrc/fa_kvconv.h)
     kv_kinds = (1, 2, 3)
