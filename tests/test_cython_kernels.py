@@ -909,7 +909,7 @@ def test_a_small_job_does_not_wake_sleeping_helpers(K):
     try:
         K._pool_selftest(2, 10, 1.0)                 # the helper exists (started on first use)
         for _ in range(3):
-            time.sleep(0.01)                         # it is asleep: the spin budget is 0
+            time.sleep(0.05)                         # it is asleep: the spin budget is 0
             counts, ran = K._pool_selftest(2, 200, 20.0, False)
             assert counts == [1] * 200 and ran == 1
     finally:
