@@ -88,12 +88,7 @@ def _pool_spin_us(double us=-1.0):
     """How long the pool's helpers stay awake after a job, in microseconds (csrc/fa_pool.h);
     with us >= 0, set it (0: they sleep at once).  Returns the value before.  For the bench's
     A/B runs; the default is measured in bench/results/pool_spin.md."""
-    if us < 0:
-        old = fa_pool_set_spin_ns(0)
-        fa_pool_set_spin_ns(old)
-    else:
-        old = fa_pool_set_spin_ns(<int64_t>(us * 1000.0))
-    return old / 1000.0
+    return fa_pool_set_spin_ns(<int64_t>(us * 1000.0) if us >= 0 else -1) / 1000.0
 
 
 def _pool_selftest(int n_threads, Py_ssize_t n_items, double item_us=0.0, bint wake=True):

@@ -92,9 +92,12 @@ static pthread_once_t fa_pool_once = PTHREAD_ONCE_INIT;
 #endif
 static int64_t fa_pool_spin_ns = FA_POOL_SPIN_NS;
 
+/* set the budget to ns (ns < 0: leave it); returns the budget before */
 static inline int64_t fa_pool_set_spin_ns(int64_t ns)
 {
-    return __atomic_exchange_n(&fa_pool_spin_ns, ns < 0 ? 0 : ns, __ATOMIC_RELAXED);
+    if (ns < 0)
+        return __atomic_load_n(&fa_pool_spin_ns, __ATOMIC_RELAXED);
+    return __atomic_exchange_n(&fa_pool_spin_ns, ns, __ATOMIC_RELAXED);
 }
 
 static inline uint32_t fa_pool_gen(void)
