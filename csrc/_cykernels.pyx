@@ -63,6 +63,25 @@ _env = _os.environ.get("FASTATTN_SIMD", "").strip().lower()
 set_simd(_env if _env in _LEVELS else None)
 
 
+# ---- OpenBLAS's parallel regions on the pool (csrc/fa_blaspool.h) ---------------------------
+
+cdef extern from "fa_blaspool.h" nogil:
+    void *fa_blas_callback_address()
+    long fa_blas_count(int own)
+
+
+def _blas_callback_address():
+    """Address of the OpenBLAS threads callback that runs OpenBLAS's jobs on the pool
+    (0 without the pool); fastattn/_blas_pools.py hands it to OpenBLAS."""
+    return <size_t>fa_blas_callback_address()
+
+
+def _blas_callback_counts():
+    """(parallel regions run through the callback, of which on threads made for the call
+    because the pool was busy)."""
+    return fa_blas_count(0), fa_blas_count(1)
+
+
 # ---- the pool, seen from the tests (csrc/fa_pool.h) ----------------------------------------
 
 ctypedef struct PoolTestJob:

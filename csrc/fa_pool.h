@@ -52,6 +52,11 @@ static inline int fa_pool_run(int nt, fa_body fn, void *ctx, int wake)
     fn(ctx);
     return 1;
 }
+static inline int fa_pool_run_all(int nt, fa_body fn, void *ctx)
+{
+    (void)nt; (void)fn; (void)ctx;
+    return 0;
+}
 static inline int fa_pool_helpers(void) { return 0; }
 static inline int64_t fa_pool_set_spin_ns(int64_t ns) { (void)ns; return 0; }
 #define FA_POOL_ENABLED 0
@@ -208,22 +213,25 @@ static void fa_pool_grow(int n)
 
 static inline int fa_pool_helpers(void) { return fa_pool.n_helpers; }
 
-/* Run fn(ctx) on the calling thread and on up to nt - 1 helpers that are free before the
- * caller's own fn returns (wake = 0: only helpers already awake, unless the calls come in a
- * tight loop).  Returns when every fn that started has returned, with their writes
- * visible.  Returns the number of threads that ran fn (>= 1). */
-static int fa_pool_run(int nt, fa_body fn, void *ctx, int wake)
+/* fa_pool_run (all = 0) and fa_pool_run_all (all = 1) */
+static int fa_pool_run_(int nt, fa_body fn, void *ctx, int wake, int all)
 {
-    if (nt <= 1) {
+    if (nt <= 1 && !all) {
         fn(ctx);
         return 1;
     }
     pthread_once(&fa_pool_once, fa_pool_init_once);
     if (pthread_mutex_trylock(&fa_pool.run) != 0) {   /* another thread's job is running */
+        if (all)
+            return 0;
         fn(ctx);
         return 1;
     }
     fa_pool_grow(nt - 1);
+    if (all && fa_pool.n_helpers < nt - 1) {          /* the system refused threads */
+        pthread_mutex_unlock(&fa_pool.run);
+        return 0;
+    }
     uint32_t gen = (uint32_t)(__atomic_load_n(&fa_pool.word, __ATOMIC_RELAXED) >> 32) + 1;
     if (gen == 0)
         gen = 1;                       /* 0 means "no job yet" to a starting helper */
@@ -244,6 +252,18 @@ static int fa_pool_run(int nt, fa_body fn, void *ctx, int wake)
 
     fn(ctx);
 
+    /* all: every one of the nt - 1 helpers enters before the job closes (each is idle: the
+     * caller holds `run`, and the wake-up above reached the sleeping ones) */
+    for (int spins = 0; all && (int)(__atomic_load_n(&fa_pool.word, __ATOMIC_ACQUIRE)
+                                     & FA_POOL_COUNT) < nt - 1; ) {
+        if (++spins < 64) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+        } else {
+            sched_yield();
+        }
+    }
     /* close: from here no helper enters; wait for those inside (each holds at most one
      * item; yield the core meanwhile, it may be the one they need) */
     uint64_t w = __atomic_fetch_or(&fa_pool.word, FA_POOL_CLOSED, __ATOMIC_ACQ_REL);
@@ -261,6 +281,24 @@ static int fa_pool_run(int nt, fa_body fn, void *ctx, int wake)
     fa_pool.last_end_ns = fa_pool_now_ns();
     pthread_mutex_unlock(&fa_pool.run);
     return 1 + entered;
+}
+
+/* Run fn(ctx) on the calling thread and on up to nt - 1 helpers that are free before the
+ * caller's own fn returns (wake = 0: only helpers already awake, unless the calls come in a
+ * tight loop).  Returns when every fn that started has returned, with their writes
+ * visible.  Returns the number of threads that ran fn (>= 1). */
+static int fa_pool_run(int nt, fa_body fn, void *ctx, int wake)
+{
+    return fa_pool_run_(nt, fn, ctx, wake, 0);
+}
+
+/* Run fn(ctx) on exactly nt threads at once: the caller and nt - 1 helpers, each once, for
+ * bodies that wait for each other (OpenBLAS's threaded GEMM: fa_blaspool.h).  Returns nt
+ * when they ran, 0 when the pool could not give nt - 1 helpers (another thread's job is
+ * running, or the system refused threads): then fn did not run at all. */
+static int fa_pool_run_all(int nt, fa_body fn, void *ctx)
+{
+    return fa_pool_run_(nt, fn, ctx, 1, 1);
 }
 #endif
 #endif

@@ -14,6 +14,7 @@ from .inference import attention_with_kvcache, varlen_attention, varlen_attentio
 from ._kvdtypes import dequantize_kv, quantize_kv
 from .masks import causal_mask, padding_mask, sliding_window_mask
 from .nn import KVCache
+from ._blas_pools import blas_threads_shared, share_blas_threads, share_from_environment
 
 __version__ = "0.1.0"
 
@@ -22,5 +23,8 @@ __all__ = [
     "split_heads", "merge_heads", "attention_with_kvcache", "varlen_attention",
     "varlen_attention_backward", "KVCache", "quantize_kv", "dequantize_kv", "causal_mask", "padding_mask", "sliding_window_mask",
     "backends", "get_backend", "set_backend", "use_backend", "reload_environment", "BackendInfo",
-    "BackendUnavailableError", "__version__",
+    "BackendUnavailableError", "share_blas_threads", "blas_threads_shared", "__version__",
 ]
+
+share_from_environment()            # FASTATTN_SHARE_BLAS_THREADS=1: the user's choice
+del share_from_environment

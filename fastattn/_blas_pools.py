@@ -8,10 +8,96 @@ removes most of that cost, but a helper that does run on the spinner's core gets
 The setting that removes the rest is the user's to make (fastattn never changes a BLAS setting
 behind the user's back): OPENBLAS_THREAD_TIMEOUT=4, read when OpenBLAS loads, i.e. before
 numpy is imported. Measurements: bench/results/numpy_loop.md.
+
+Or, asked for (`fastattn.share_blas_threads()`, or FASTATTN_SHARE_BLAS_THREADS=1 in the
+environment when fastattn is imported): OpenBLAS >= 0.3.27 runs its parallel regions on
+fastattn's pool through its threads callback (csrc/fa_blaspool.h), so a matmul and the
+attention call after it share one set of threads and nothing spins on a core either needs.
+The same jobs with the same partitioning: the same bits.
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import threading
+
+# OpenBLAS's setter, by the symbol suffixes its builds use (plain, numpy's scipy-openblas
+# 64-bit-integer and 32-bit-integer builds)
+_SETTERS = ("openblas_set_threads_callback_function",
+            "scipy_openblas_set_threads_callback_function64_",
+            "scipy_openblas_set_threads_callback_function")
+_lock = threading.Lock()
+_shared: dict[str, ctypes._CFuncPtr] = {}      # library path -> its setter, while shared
+
+
+def _loaded_openblas() -> list[str]:
+    """Paths of the OpenBLAS libraries mapped into this process (/proc/self/maps: no
+    threadpoolctl needed, nothing loaded that is not already)."""
+    try:
+        with open("/proc/self/maps") as f:
+            fields = (line.split(None, 5) for line in f)
+            paths = {x[5].strip() for x in fields if len(x) == 6}
+    except OSError:
+        return []
+    return sorted(p for p in paths if "openblas" in os.path.basename(p).lower()
+                  and ".so" in os.path.basename(p))
+
+
+def _setter(path: str):
+    lib = ctypes.CDLL(path)                       # already loaded: the same handle
+    for name in _SETTERS:
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes = [ctypes.c_void_p]
+            fn.restype = None
+            return fn
+    return None
+
+
+def share_blas_threads(enable: bool = True) -> list[str]:
+    """Run OpenBLAS's parallel regions on fastattn's thread pool (enable=False: give them back
+    to OpenBLAS's own threads). Returns the OpenBLAS libraries that now do so.
+
+    Why: after every call OpenBLAS's idle workers busy-wait ~0.1 s on the other cores, and an
+    attention call made then waits for a core it cannot get (README, "Threads"). On the pool,
+    the BLAS call and the attention call share the same threads. Results are unchanged (the
+    same jobs, partitioned as before). Needs OpenBLAS >= 0.3.27 with pthreads (numpy's wheels)
+    and the compiled kernels; a library without the setter is left as it is. Calls from
+    several Python threads at once go through one at a time. Process-wide, like every BLAS
+    setting: call it once, early (no BLAS call may be running in another thread meanwhile)."""
+    try:
+        from ._backends.cython_ import _import_kernels
+        address = _import_kernels()._blas_callback_address()
+    except ImportError:                            # no compiled kernels: nothing to share
+        address = 0
+    with _lock:
+        if not enable:
+            for fn in _shared.values():
+                fn(None)
+            _shared.clear()
+            return []
+        if not address:
+            return []
+        for path in _loaded_openblas():
+            if path in _shared:
+                continue
+            fn = _setter(path)
+            if fn is not None:
+                fn(address)
+                _shared[path] = fn
+        return sorted(_shared)
+
+
+def blas_threads_shared() -> list[str]:
+    """The OpenBLAS libraries whose parallel regions run on fastattn's pool."""
+    return sorted(_shared)
+
+
+def share_from_environment() -> None:
+    """FASTATTN_SHARE_BLAS_THREADS=1 at import: share_blas_threads() (the user's choice, made
+    where a script's code cannot, e.g. a bench or an outside harness)."""
+    if os.environ.get("FASTATTN_SHARE_BLAS_THREADS", "").strip() in ("1", "true", "yes"):
+        share_blas_threads(True)
 
 # the exponent at or below which OpenBLAS's workers sleep almost at once (the variable is
 # clamped to 4..30; 2**8 ticks is ~0.1 us)
@@ -50,7 +136,10 @@ def report() -> list[str]:
         layer = p.get("threading_layer", "?")
         lines.append(f"  {name} {p.get('version') or ''} {layer}, {p.get('num_threads')} threads "
                      f"({os.path.basename(p.get('filepath', ''))})".replace("  ,", ","))
-        if name == "openblas" and layer == "pthreads" and (p.get("num_threads") or 1) > 1:
+        if p.get("filepath") in _shared:
+            lines.append("    its parallel regions run on fastattn's pool "
+                         "(share_blas_threads / FASTATTN_SHARE_BLAS_THREADS=1)")
+        elif name == "openblas" and layer == "pthreads" and (p.get("num_threads") or 1) > 1:
             if exponent is not None and exponent <= _QUICK_SLEEP_EXPONENT:
                 lines.append(f"    idle workers sleep at once (OPENBLAS_THREAD_TIMEOUT={exponent})")
             else:
