@@ -152,6 +152,7 @@ def run(threads: int, rounds: int = 5, backends=("cython", "numba"), quick: bool
     meta.update(preset="numpy-loop", rounds=rounds, gemm_gflops=gemm,
                 read_gbs={str(int(k)): v for k, v in reads.items()},
                 openblas_thread_timeout=os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
+                blas_on_fastattn_pool=bool(fa.blas_threads_shared()),
                 torch_in_process="torch" in sys.modules, load_end=load_average())
     return {"meta": meta, "rows": rows}
 
@@ -163,6 +164,9 @@ def markdown(data: dict) -> str:
             f"**{m.get('threads')} threads**; no torch in the process; {m['rounds']} rounds, "
             f"medians. NumPy sgemm 2048^3: {m['gemm_gflops']:.0f} GF/s. "
             f"OPENBLAS_THREAD_TIMEOUT={m.get('openblas_thread_timeout') or 'unset'}. "
+            f"BLAS's parallel regions on "
+            f"{'fastattn' if m.get('blas_on_fastattn_pool') else 'OpenBLAS'}'s threads"
+            f"{' (FASTATTN_SHARE_BLAS_THREADS=1)' if m.get('blas_on_fastattn_pool') else ''}. "
             f"Load average start/end {m.get('load_average_start')} / {m.get('load_end')}.")
     lines = [head, "",
              "| row | backend | alone | after BLAS | extra | share of limit alone | after | limit |",
