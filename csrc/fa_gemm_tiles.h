@@ -22,6 +22,10 @@ FA_INL void FN(fa_qk_tile_)(const int MRX, const int NVX, const FA_T *Ks, ptrdif
     /* NVX <= FA_NV: one panel of NVX vectors.  NVX = 2 * FA_NV: two adjacent FA_NV-vector
      * panels (the second starts pw*E elements later), i.e. 2*pw lanes in one tile. */
     VT acc[FA_MR][2 * FA_NV];
+    /* scale waits in memory, not in a vector register: live across the loop (it arrives in
+     * xmm0), it left the 6 x 4 tile one register short and GCC kept a Q vector on the stack,
+     * reloading it for 6 of every 24 FMAs (perf annotate of the forward) */
+    volatile FA_T scale_mem = scale;
     ptrdiff_t e0 = 0;
     do {
         const ptrdiff_t e1 = E - e0 < FA_QK_CHUNK ? E : e0 + FA_QK_CHUNK;
@@ -62,7 +66,7 @@ FA_INL void FN(fa_qk_tile_)(const int MRX, const int NVX, const FA_T *Ks, ptrdif
     /* s = scale * (q . k), in that order (as the spec and a dense reference round it):
      * folding the scale into Q instead added a rounding per term.  One multiply per
      * accumulator. */
-    const VT sc = BC(scale);
+    const VT sc = BC((FA_T)scale_mem);
 #pragma GCC unroll 16
     for (int r = 0; r < MRX; r++)
 #pragma GCC unroll 4
@@ -71,17 +75,57 @@ FA_INL void FN(fa_qk_tile_)(const int MRX, const int NVX, const FA_T *Ks, ptrdif
             ST(S + r * lds + v * FA_VW, acc[r][v]);
         }
     if (cmax) {
-        /* fused column max over the valid key rows (jn <= FA_MR): saves a pass over S */
+        /* fused column max over the valid key rows (jn <= FA_MR): saves a pass over S.  Read
+         * back from the rows just stored (L1), not from acc: kept live for this, the
+         * accumulators left GCC one register short in the loop above, and it spilled a Q
+         * vector there (6 reloads per 24 FMAs of the 6 x 4 tile; perf annotate). */
 #pragma GCC unroll 4
         for (int v = 0; v < NVX; v++) {
             VT mx = LD(cmax + v * FA_VW);
 #pragma GCC unroll 16
             for (int r = 0; r < MRX; r++)
-                if (r < jn) mx = VMAX(mx, acc[r][v]);
+                if (r < jn) mx = VMAX(mx, LD(S + r * lds + v * FA_VW));
             ST(cmax + v * FA_VW, mx);
         }
     }
 }
+
+/* cmax[lane] = max(cmax[lane], S[r][lane] for r < jn) over one tile's rows just stored */
+FA_INL void FN(fa_qk_colmax_)(const int MRX, const int NVX, const FA_T *S, ptrdiff_t lds,
+                              FA_T *cmax, int jn)
+{
+#pragma GCC unroll 4
+    for (int v = 0; v < NVX; v++) {
+        VT mx = LD(cmax + v * FA_VW);
+#pragma GCC unroll 16
+        for (int r = 0; r < MRX; r++)
+            if (r < jn) mx = VMAX(mx, LD(S + r * lds + v * FA_VW));
+        ST(cmax + v * FA_VW, mx);
+    }
+}
+
+/* The register tiles fa_qk runs, one call each: inlined into fa_qk's loops, GCC kept a Q
+ * vector on the stack and reloaded it for 6 of every 24 FMAs of the 6 x 4 tile (perf
+ * annotate; the same spill the backward's fa_qkt_pair_ avoids the same way).  The call and
+ * its setup cost ~20 cycles against the tile's E x 24 FMAs. */
+#if FA_MR == 12
+static __attribute__((noinline)) FA_ATTR void FN(fa_qk_pair_)(const FA_T *Ks, ptrdiff_t ldk,
+                                                             const FA_T *Qp, ptrdiff_t E,
+                                                             FA_T *S, ptrdiff_t lds, FA_T *cmax,
+                                                             int jn, FA_T scale)
+{
+    FN(fa_qk_tile_)(6, 2 * FA_NV, Ks, ldk, Qp, E, S, lds, NULL, jn, scale);
+    if (cmax)
+        FN(fa_qk_colmax_)(6, 2 * FA_NV, S, lds, cmax, jn);
+}
+static __attribute__((noinline)) FA_ATTR void FN(fa_qk_half_)(const FA_T *Ks, ptrdiff_t ldk,
+                                                             const FA_T *Qp, ptrdiff_t E,
+                                                             FA_T *S, ptrdiff_t lds, FA_T *cmax,
+                                                             int jn, FA_T scale)
+{
+    FN(fa_qk_tile_)(6, FA_NV, Ks, ldk, Qp, E, S, lds, cmax, jn, scale);
+}
+#endif
 
 /* The key rows past the last whole strip of `strip` rows, copied into kpad (strip x E, zero
  * padded) so a tile never reads past K.  Returns the number of keys in whole strips. */
@@ -121,11 +165,9 @@ FA_FN void FN(fa_qk)(const FA_T *K, ptrdiff_t ldk, ptrdiff_t n, ptrdiff_t E, con
                 ptrdiff_t ld = j0 < nf6 ? ldk : E;
                 int jn = (int)(n - j0 < 6 ? n - j0 : 6);
                 if (p0 + 2 * pw <= W)
-                    FN(fa_qk_tile_)(6, 2 * FA_NV, Ks, ld, Qp, E, S + j0 * lds + p0, lds, cm, jn,
-                                    scale);
+                    FN(fa_qk_pair_)(Ks, ld, Qp, E, S + j0 * lds + p0, lds, cm, jn, scale);
                 else                                   /* an odd last panel */
-                    FN(fa_qk_tile_)(6, FA_NV, Ks, ld, Qp, E, S + j0 * lds + p0, lds, cm, jn,
-                                    scale);
+                    FN(fa_qk_half_)(Ks, ld, Qp, E, S + j0 * lds + p0, lds, cm, jn, scale);
             }
         }
         return;
