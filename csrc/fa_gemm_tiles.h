@@ -75,10 +75,8 @@ FA_INL void FN(fa_qk_tile_)(const int MRX, const int NVX, const FA_T *Ks, ptrdif
             ST(S + r * lds + v * FA_VW, acc[r][v]);
         }
     if (cmax) {
-        /* fused column max over the valid key rows (jn <= FA_MR): saves a pass over S.  Read
-         * back from the rows just stored (L1), not from acc: kept live for this, the
-         * accumulators left GCC one register short in the loop above, and it spilled a Q
-         * vector there (6 reloads per 24 FMAs of the 6 x 4 tile; perf annotate). */
+        /* fused column max over the valid key rows (jn <= FA_MR): saves a pass over S; read
+         * back from the rows just stored (L1), so the accumulators need not stay live */
 #pragma GCC unroll 4
         for (int v = 0; v < NVX; v++) {
             VT mx = LD(cmax + v * FA_VW);
@@ -90,33 +88,16 @@ FA_INL void FN(fa_qk_tile_)(const int MRX, const int NVX, const FA_T *Ks, ptrdif
     }
 }
 
-/* cmax[lane] = max(cmax[lane], S[r][lane] for r < jn) over one tile's rows just stored */
-FA_INL void FN(fa_qk_colmax_)(const int MRX, const int NVX, const FA_T *S, ptrdiff_t lds,
-                              FA_T *cmax, int jn)
-{
-#pragma GCC unroll 4
-    for (int v = 0; v < NVX; v++) {
-        VT mx = LD(cmax + v * FA_VW);
-#pragma GCC unroll 16
-        for (int r = 0; r < MRX; r++)
-            if (r < jn) mx = VMAX(mx, LD(S + r * lds + v * FA_VW));
-        ST(cmax + v * FA_VW, mx);
-    }
-}
-
-/* The register tiles fa_qk runs, one call each: inlined into fa_qk's loops, GCC kept a Q
- * vector on the stack and reloaded it for 6 of every 24 FMAs of the 6 x 4 tile (perf
- * annotate; the same spill the backward's fa_qkt_pair_ avoids the same way).  The call and
- * its setup cost ~20 cycles against the tile's E x 24 FMAs. */
+/* The 6-key tiles fa_qk runs, one call each (as the backward's fa_qkt_pair_): a clean
+ * register allocation whatever fa_qk's loops keep live.  The call costs ~20 cycles against
+ * the tile's E x 24 FMAs. */
 #if FA_MR == 12
 static __attribute__((noinline)) FA_ATTR void FN(fa_qk_pair_)(const FA_T *Ks, ptrdiff_t ldk,
                                                              const FA_T *Qp, ptrdiff_t E,
                                                              FA_T *S, ptrdiff_t lds, FA_T *cmax,
                                                              int jn, FA_T scale)
 {
-    FN(fa_qk_tile_)(6, 2 * FA_NV, Ks, ldk, Qp, E, S, lds, NULL, jn, scale);
-    if (cmax)
-        FN(fa_qk_colmax_)(6, 2 * FA_NV, S, lds, cmax, jn);
+    FN(fa_qk_tile_)(6, 2 * FA_NV, Ks, ldk, Qp, E, S, lds, cmax, jn, scale);
 }
 static __attribute__((noinline)) FA_ATTR void FN(fa_qk_half_)(const FA_T *Ks, ptrdiff_t ldk,
                                                              const FA_T *Qp, ptrdiff_t E,
