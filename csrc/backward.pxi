@@ -6,7 +6,7 @@
 # nothing is shared between threads: no atomics, and the same bits on every run whatever the
 # schedule.  Per query block (W rows of one query head, Q and dO packed as the forward packs Q):
 #   sweep 1, for each key sub-block [ja, jb) of the band (touching lanes [lo, hi)):
-#         S  = K·Qᵀ, dPᵀ = V·dOᵀ          (fa_qkt on Kᵀ/Vᵀ packed once per item; tiles
+#         S  = K·Qᵀ, dPᵀ = V·dOᵀ          (the forward's fa_qk on the K/V rows in place; tiles
 #                                          T[key][lane] as in the forward, kept for sweep 2)
 #         softcap (+ its derivative), ALiBi, masks, window edge: the forward's score pipeline
 #         dP *= keep/(1-p);  P = exp(S - lse);  Z += sum_j P,  D += sum_j P dP   (fa_bwd_p)
@@ -50,22 +50,22 @@ ctypedef struct BwdArgs:
     ptrdiff_t C                      # chunks of units per kv head
     ptrdiff_t *ubound                # [C + 1] unit boundaries of the chunks (cost-balanced)
     ptrdiff_t ldq                    # row stride of the dQ block accumulator
-    ptrdiff_t ldkt                   # row stride of the packed Kᵀ / Vᵀ (>= S + 16, odd lines)
     ptrdiff_t trows                  # rows of the tiles: longest band (or sub-block) + slack
     bint keep                        # tiles kept between the sweeps (else recomputed)
 
 
 ctypedef struct BwdWork:             # per-thread scratch
     char *base                       # small buffers (fa_scratch.h, kept between calls)
-    char *big                        # O(S) buffers, malloc'ed per call: Kt, Vt, S, dP, G
-    char *Kt                         # Kᵀ of the item's kv head, [E][ldkt]
-    char *Vt                         # Vᵀ, [Ev][ldkt]
+    char *big                        # O(S) buffers, malloc'ed per call: S, dP, G
+    const char *K                    # the item's kv head's K rows, [S][E] (the caller's)
+    const char *V                    #                      V rows, [S][Ev]
     char *S                          # the block's band: S, then P, then Pd  [trows][FA_BWD_LDS]
     char *dP                         #                   dP, then dS
     char *G                          #                   softcap derivative (softcap only)
     char *Qt                         # packed query block, panels [W/pw][E][pw]
     char *dOt                        # packed dO block, panels [W/pw][Ev][pw]
     char *dQ                         # dQ of the block, [W + 16][ldq]
+    char *kpad                       # fa_qk's zero-padded last key strip, [FA_MR][max(E, Ev)]
     char *lse                        # per lane: lse (+inf for rows without keys)
     double *acc                      #           sweep-1 sums Z, D (double), FA_BWD_LDS apart
     double *acc2                     #           the same, discarded (sweep 2 recomputing)
@@ -81,7 +81,7 @@ ctypedef struct BwdWork:             # per-thread scratch
 cdef BwdWork *bwd_work_new(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept nogil:
     cdef size_t t = sizeof(floating)
     cdef ptrdiff_t wcap = a.W + 16
-    cdef size_t sz[14]
+    cdef size_t sz[15]
     sz[0] = _al(a.W * p.E * t + t)
     sz[1] = _al(a.W * p.Ev * t + t)
     sz[2] = _al(wcap * a.ldq * t)
@@ -90,8 +90,9 @@ cdef BwdWork *bwd_work_new(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept
     sz[10] = _al(wcap * 4)
     sz[11] = _al(sizeof(BwdWork))
     sz[12] = _al(2 * FA_BWD_LDS * 8)
+    sz[13] = _al(k_mr(dummy) * max(p.E, p.Ev) * t + t)
     cdef size_t total = 64 + sz[12], i
-    for i in range(13):
+    for i in range(14):
         total += sz[i]
     cdef char *base = <char *>fa_scratch_get(total)
     if base == NULL:
@@ -112,24 +113,21 @@ cdef BwdWork *bwd_work_new(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept
     w.moff = <int64_t *>c; c += sz[9]
     w.rk = <uint32_t *>c; c += sz[10]
     w.acc = <double *>c; c += sz[12]
-    w.acc2 = <double *>c
+    w.acc2 = <double *>c; c += sz[12]
+    w.kpad = c
     # Lanes past the block's rows are read by the tile kernels (whole panels): keep every
     # per-lane array finite and defined.
     memset(w.lse, 0, sz[3] + sz[4] + sz[5] + sz[6] + sz[7] + sz[8] + sz[9] + sz[10] + 2 * sz[12])
     for i in range(<size_t>wcap):
         (<floating *>w.ones)[i] = 1
     # The O(S) part: own malloc, freed after the call (the TLS scratch is kept between calls).
-    # Tiles are written before being read (fa_qkt, fa_softcap_grad); nothing past a
+    # Tiles are written before being read (fa_qk, fa_softcap_grad); nothing past a
     # sub-block's rows or lanes is read.
-    cdef size_t kt = _al((p.E + p.Ev) * a.ldkt * t + t)
     cdef size_t tile = _al(a.trows * FA_BWD_LDS * t)
-    w.big = <char *>malloc(kt + (3 if p.softcap > 0 else 2) * tile + 64)
+    w.big = <char *>malloc((3 if p.softcap > 0 else 2) * tile + 64)
     if w.big == NULL:
         return NULL
     c = <char *>(((<size_t>w.big) + 63) & ~(<size_t>63))
-    w.Kt = c
-    w.Vt = c + p.E * a.ldkt * t
-    c += kt
     w.S = c; c += tile
     w.dP = c; c += tile
     w.G = c if p.softcap > 0 else NULL
@@ -140,16 +138,6 @@ cdef inline void bwd_work_free(BwdWork *w) noexcept nogil:
     if w != NULL:
         free(w.big)
         fa_scratch_release(w.base)
-
-
-cdef void pack_t(const floating *X, ptrdiff_t S, ptrdiff_t E, floating *Xt,
-                 ptrdiff_t ld) noexcept nogil:
-    """Xt[e][j] = X[j][e] for j < S, 0 for S <= j < ld (the padding fa_qkt may read)."""
-    cdef ptrdiff_t j, e
-    k_transpose(X, E, S, E, Xt, ld)
-    for e in range(E):
-        for j in range(S, ld):
-            Xt[e * ld + j] = 0
 
 
 cdef void pack_panels(const floating *X, ptrdiff_t rows, ptrdiff_t W, ptrdiff_t pw,
@@ -213,8 +201,8 @@ cdef void bwd_scores(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy,
     derivative into G)."""
     cdef ptrdiff_t lo = sb.lo, Wt = sb.Wt, m = sb.jb - sb.ja, ldt = FA_BWD_LDS
     cdef floating *S = <floating *>w.S + sb.r0 * ldt + lo
-    k_qkt(<const floating *>w.Kt + sb.ja, a.ldkt, m, p.E, <const floating *>w.Qt + lo * p.E,
-          Wt, k_nv(dummy), S, p.scale)
+    k_qk(<const floating *>w.K + sb.ja * p.E, p.E, m, p.E, <const floating *>w.Qt + lo * p.E,
+         Wt, k_nv(dummy), S, FA_BWD_LDS, NULL, <floating *>w.kpad, <floating>p.scale)
     # the forward's score pipeline, in its order (softcap, ALiBi, float mask, bool mask, band)
     if p.softcap > 0:
         k_softcap_grad(S, <floating *>w.G + sb.r0 * ldt + lo, ldt, m, Wt, p.softcap)
@@ -236,8 +224,9 @@ cdef void bwd_sweep1(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy,
     cdef floating *S = <floating *>w.S + sb.r0 * ldt + lo
     cdef floating *dP = <floating *>w.dP + sb.r0 * ldt + lo
     bwd_scores(p, a, w, dummy, sb)
-    k_qkt(<const floating *>w.Vt + sb.ja, a.ldkt, m, p.Ev, <const floating *>w.dOt + lo * p.Ev,
-          Wt, k_nv(dummy), dP, 1.0)
+    k_qk(<const floating *>w.V + sb.ja * p.Ev, p.Ev, m, p.Ev,
+         <const floating *>w.dOt + lo * p.Ev, Wt, k_nv(dummy), dP, FA_BWD_LDS, NULL,
+         <floating *>w.kpad, 1.0)
     if p.has_dropout:
         k_dropout_scale(dP, ldt, m, Wt, sb.ja + p.drop_col0, w.rk + lo, p.thresh, p.keep_scale)
     k_bwd_p(S, dP, m, Wt, <const floating *>w.lse + lo, acc + lo)
@@ -460,8 +449,8 @@ cdef void bwd_item(AttnProblem *p, BwdArgs *a, BwdWork *w, floating *dummy,
         dv_t = <floating *>a.vpart + ((c - 1) * nbh + bhk) * nv
     memset(dk_t, 0, nk * sizeof(floating))
     memset(dv_t, 0, nv * sizeof(floating))
-    pack_t(<const floating *>p.k + bhk * nk, p.S, p.E, <floating *>w.Kt, a.ldkt)
-    pack_t(<const floating *>p.v + bhk * nv, p.S, p.Ev, <floating *>w.Vt, a.ldkt)
+    w.K = <const char *>(<const floating *>p.k + bhk * nk)
+    w.V = <const char *>(<const floating *>p.v + bhk * nv)
     for u in range(a.ubound[c], a.ubound[c + 1]):
         g = u // a.nqb
         bwd_block(p, a, w, dummy, b, hk * p.G + g, hk, (u % a.nqb) * a.W, dk_t, dv_t)
@@ -577,19 +566,13 @@ cdef int run_backward(AttnProblem *p, BwdArgs *a, floating *dummy) noexcept nogi
     a.DB = p.tune.bwd_db
     a.ldq = round_up(p.E, k_vw(dummy)) if p.E > 0 else 1
     a.nqb = (p.L + a.W - 1) // a.W
-    # band tiles: the longest band of a block, plus a strip of slack (fa_qkt writes whole
+    # band tiles: the longest band of a block, plus a strip of slack (fa_qk writes whole
     # strips of MR rows)
     a.trows = round_up(min(<int64_t>p.S, a.W - 1 + p.wl + p.wr + 1), mr) + mr
     # has_delta has no sweep 1: the tiles are made where sweep 2 uses them
     a.keep = not p.has_delta and <size_t>a.trows * FA_BWD_LDS * sizeof(floating) * (3 if p.softcap > 0 else 2) <= <size_t>p.tune.bwd_keep_bytes
     if not a.keep:
         a.trows = round_up(max(a.Bk, a.DB), mr) + mr
-    # Kᵀ rows: >= S + 16 (fa_qkt reads up to 11 keys past a block), an odd number of cache
-    # lines apart so the E rows of a column fall in different L1 sets
-    a.ldkt = round_up(p.S, 16) // 16 + 1
-    if a.ldkt % 2 == 0:
-        a.ldkt += 1
-    a.ldkt *= 16
     a.U = p.G * a.nqb
     a.kpart = a.vpart = NULL
     a.ubound = NULL
