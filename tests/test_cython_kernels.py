@@ -228,7 +228,8 @@ def test_backend_refuses_an_extension_of_another_record(K, monkeypatch):
 # backward kernel (csrc/backward.pxi)
 # ----------------------------------------------------------------------------------------------
 def run_backward(K, p, threads, dout, out, lse):
-    dq, dk, dv = np.empty_like(p.q), np.empty_like(p.k), np.empty_like(p.v)
+    # NaN-filled: the kernel must write every element of dq, dk and dv itself
+    dq, dk, dv = (np.full_like(x, np.nan) for x in (p.q, p.k, p.v))
     K.backward(kernel_args(p, threads), dout, out, lse, dq, dk, dv, no_sinks(p))
     return dq, dk, dv
 
@@ -686,7 +687,7 @@ def test_sinks_against_dense(K, level, kernel, dtype, case):
         assert np.all(out[empty] == 0)
         assert np.array_equal(lse[empty], np.broadcast_to(p.sinks[None, :, None], lse.shape)[empty])
         if kernel == "forward":
-            dq, dk, dv = np.empty_like(p.q), np.empty_like(p.k), np.empty_like(p.v)
+            dq, dk, dv = (np.full_like(x, np.nan) for x in (p.q, p.k, p.v))
             dsinks = np.full(p.sinks.shape, np.nan, p.dtype)
             K.backward(kernel_args(p, threads), dout, out, lse, dq, dk, dv, dsinks)
             for name, got, r, n in zip(("dq", "dk", "dv", "dsinks"), (dq, dk, dv, dsinks), ref[2:], naive[2:]):
@@ -780,8 +781,8 @@ def partial_keys_backward(K, p, parts, threads, dout, out, lse):
     for c0, c1 in zip(parts[:-1], parts[1:]):
         part = key_part(p, c0, c1)
         part.delta = delta.astype(p.dtype)
-        g = (np.empty_like(part.q), np.empty_like(part.k), np.empty_like(part.v),
-             np.full(p.q.shape[1] if p.sinks is not None else 1, np.nan, p.dtype))
+        g = (np.full_like(part.q, np.nan), np.full_like(part.k, np.nan),
+             np.full_like(part.v, np.nan), np.full(p.q.shape[1] if p.sinks is not None else 1, np.nan, p.dtype))
         K.backward(kernel_args(part, threads), dout, out, lse, *g)
         dq += g[0]
         dks.append(g[1])
