@@ -66,9 +66,6 @@ cdef extern from "fa_kernels.h" nogil:
                                     int64_t j0, const uint32_t *rk, uint32_t thresh)
     void k_softmax_row "FA_OP(softmax_row)"(const floating *x, const uint8_t *mask,
                                             floating *out, ptrdiff_t n)
-    void k_qkt "FA_OP(qkt)"(const floating *Kt, ptrdiff_t ldkt, ptrdiff_t n, ptrdiff_t E,
-                            const floating *Qt, ptrdiff_t W, int pw_nv, floating *S,
-                            floating scale)
     void k_bwd_p "FA_OP(bwd_p)"(floating *S, const floating *dP, ptrdiff_t n, ptrdiff_t W,
                                 const floating *lse, double *acc)
     void k_bwd_ds "FA_OP(bwd_ds)"(floating *S, floating *dP, const floating *G, ptrdiff_t n,

@@ -1,6 +1,6 @@
 /*
- * fa_bwd_tiles.h -- the backward's tiles: Q·Kᵀ from a packed Kᵀ, the two sweeps' per-lane
- * reductions (P, Z, D; then dS) and the Pᵀ·X products for dK/dV; once per (ISA, dtype) copy
+ * fa_bwd_tiles.h -- the backward's tiles: the two sweeps' per-lane reductions (P, Z, D; then
+ * dS) and the Pᵀ·X products for dK/dV; once per (ISA, dtype) copy
  * (included by fa_kern_impl.h; no include guard on purpose).
  */
 
@@ -10,113 +10,10 @@
  * down a column are constant displacements from one base register (a runtime stride would
  * need 12 row pointers, more than the free general registers). */
 
-/* S[j][lane] = scale * sum_e Kt[e][j] * Qt[lane][e]: fa_qk with K packed transposed (row
- * stride ldkt over e, keys contiguous), so the 12 broadcasts of a step are constant
- * displacements from one pointer.  fa_qk indexes the caller's K rows through 12 index
- * registers, and GCC then spilled a Q vector (12 more loads per 24 FMAs).  The backward
- * packs Kᵀ once per work item, where every query block of the item reuses it.  Same chunked
- * summation, scale and rounding as fa_qk: the scores are the forward's, bit for bit.  Reads
- * Kt columns up to round_up(n, FA_MR) - 1: the caller pads the rows. */
-FA_INL void FN(fa_qkt_tile_)(const int MRX, const int NVX, const FA_T *Kt, ptrdiff_t ldkt,
-                             const FA_T *Qp, ptrdiff_t E, FA_T *S, ptrdiff_t lds, FA_T scale)
-{
-    /* NVX = 2 * FA_NV: two adjacent FA_NV-vector panels, as fa_qk_tile_ */
-    const int PV = NVX <= FA_NV ? NVX : FA_NV;      /* vectors per panel */
-    VT acc[FA_MR][2 * FA_NV];
-    ptrdiff_t e0 = 0;
-    do {
-        const ptrdiff_t e1 = E - e0 < FA_QK_CHUNK ? E : e0 + FA_QK_CHUNK;
-#pragma GCC unroll 16
-        for (int r = 0; r < MRX; r++)
-#pragma GCC unroll 8
-            for (int v = 0; v < NVX; v++) acc[r][v] = BC(0);
-        const FA_T *kt = Kt + e0 * ldkt;
-        const FA_T *qp = Qp + e0 * (PV * FA_VW);
-        for (ptrdiff_t e = e0; e < e1; e++, kt += ldkt, qp += PV * FA_VW) {
-            VT b[2 * FA_NV];
-#pragma GCC unroll 8
-            for (int v = 0; v < NVX; v++)
-                b[v] = LD(qp + (v / PV) * (PV * FA_VW) * E + (v % PV) * FA_VW);
-#pragma GCC unroll 16
-            for (int r = 0; r < MRX; r++) {
-                VT a = BC(kt[r]);
-#pragma GCC unroll 8
-                for (int v = 0; v < NVX; v++) acc[r][v] += a * b[v];
-            }
-        }
-        if (e1 < E) {
-#pragma GCC unroll 16
-            for (int r = 0; r < MRX; r++)
-#pragma GCC unroll 8
-                for (int v = 0; v < NVX; v++) {
-                    FA_T *dst = S + r * lds + v * FA_VW;
-                    ST(dst, e0 ? LD(dst) + acc[r][v] : acc[r][v]);
-                }
-        } else if (e0) {
-#pragma GCC unroll 16
-            for (int r = 0; r < MRX; r++)
-#pragma GCC unroll 8
-                for (int v = 0; v < NVX; v++) acc[r][v] += LD(S + r * lds + v * FA_VW);
-        }
-        e0 = e1;
-    } while (e0 < E);
-    const VT sc = BC(scale);
-#pragma GCC unroll 16
-    for (int r = 0; r < MRX; r++)
-#pragma GCC unroll 8
-        for (int v = 0; v < NVX; v++) ST(S + r * lds + v * FA_VW, acc[r][v] * sc);
-}
-
-/* One register tile per call, S rows at the fixed stride FA_BWD_LDS: inlined into the loop
- * below, GCC parked loop variables in zmm28-31 and spilled a Q vector to the stack (12 more
- * loads per 24 FMAs); on its own the tile gets a clean allocation.  ~800 cycles per call. */
-static __attribute__((noinline)) FA_ATTR void FN(fa_qkt_full_)(const FA_T *Kt, ptrdiff_t ldkt,
-                                                              const FA_T *Qp, ptrdiff_t E,
-                                                              FA_T *S, FA_T scale)
-{
-    FN(fa_qkt_tile_)(FA_MR, FA_NV, Kt, ldkt, Qp, E, S, FA_BWD_LDS, scale);
-}
-#if FA_MR == 12
-/* 6 keys x two adjacent panels (see fa_qk) */
-static __attribute__((noinline)) FA_ATTR void FN(fa_qkt_pair_)(const FA_T *Kt, ptrdiff_t ldkt,
-                                                              const FA_T *Qp, ptrdiff_t E,
-                                                              FA_T *S, FA_T scale)
-{
-    FN(fa_qkt_tile_)(6, 2 * FA_NV, Kt, ldkt, Qp, E, S, FA_BWD_LDS, scale);
-}
-#endif
-static __attribute__((noinline)) FA_ATTR void FN(fa_qkt_one_)(const FA_T *Kt, ptrdiff_t ldkt,
-                                                             const FA_T *Qp, ptrdiff_t E,
-                                                             FA_T *S, FA_T scale)
-{
-    FN(fa_qkt_tile_)(FA_MR, 1, Kt, ldkt, Qp, E, S, FA_BWD_LDS, scale);
-}
-
-/* S (row stride FA_BWD_LDS) for keys j < n (rows up to round_up(n, FA_MR) are written) and
- * lanes < W (multiple of pw_nv * VW). */
-FA_FN void FN(fa_qkt)(const FA_T *Kt, ptrdiff_t ldkt, ptrdiff_t n, ptrdiff_t E,
-                      const FA_T *Qt, ptrdiff_t W, int pw_nv, FA_T *S, FA_T scale)
-{
-    const ptrdiff_t pw = (ptrdiff_t)pw_nv * FA_VW;
-    ptrdiff_t p0 = 0;
-#if FA_MR == 12
-    /* panel pairs in 6-key tiles (rows up to round_up(n, 6) are written), then an odd last
-     * panel in the 12-key tiles below; same sums, same bits */
-    if (pw_nv == FA_NV)
-        for (; p0 + 2 * pw <= W; p0 += 2 * pw)
-            for (ptrdiff_t j0 = 0; j0 < n; j0 += 6)
-                FN(fa_qkt_pair_)(Kt + j0, ldkt, Qt + p0 * E, E, S + j0 * FA_BWD_LDS + p0, scale);
-#endif
-    for (; p0 < W; p0 += pw) {
-        const FA_T *Qp = Qt + p0 * E;
-        for (ptrdiff_t j0 = 0; j0 < n; j0 += FA_MR) {
-            if (pw_nv == FA_NV)
-                FN(fa_qkt_full_)(Kt + j0, ldkt, Qp, E, S + j0 * FA_BWD_LDS + p0, scale);
-            else
-                FN(fa_qkt_one_)(Kt + j0, ldkt, Qp, E, S + j0 * FA_BWD_LDS + p0, scale);
-        }
-    }
-}
+/* S and dP come from the forward's fa_qk (fa_gemm_tiles.h) on the K / V rows in place, with
+ * the tiles' row stride FA_BWD_LDS: the scores are the forward's, bit for bit.  (A Q·Kᵀ from
+ * Kᵀ packed once per work item ran 0.90-0.97x slower: each 6-key tile read E lines of Kᵀ
+ * where the rows take 6 x E / 16; bench/results/cython_kernels.md.) */
 
 /* Sweep 1 of a query block: P = exp(S - lse) in place (rows j < n, lanes < W; lse is +inf
  * on lanes whose row had no key, so P = 0 there), and per lane, compensated (sum, comp):

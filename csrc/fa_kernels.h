@@ -26,7 +26,7 @@
 #define FA_STR(x) FA_STR_(x)
 
 /* Row stride (elements) of the backward's score tiles: a compile-time constant so that the
- * column broadcasts of fa_ptq and fa_qkt's stores are displacements from one register.  Holds
+ * column broadcasts of fa_ptq are displacements from one register.  Holds
  * up to 96 lanes (= lcm of the register tiles, 12 rows x 32 lanes); +16 keeps consecutive
  * rows off the same 4 KiB alias. */
 #define FA_BWD_LDS 112

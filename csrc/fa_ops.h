@@ -42,8 +42,6 @@
     XO(void, qk_dot, (const T *K, ptrdiff_t ldk, ptrdiff_t n, ptrdiff_t E, const T *Qr,     \
                       ptrdiff_t ldq, int R, T *S, ptrdiff_t lds, T scale))                  \
     /* backward (tiles with row stride FA_BWD_LDS) */                                       \
-    X(void, qkt, (const T *Kt, ptrdiff_t ldkt, ptrdiff_t n, ptrdiff_t E, const T *Qt,       \
-                  ptrdiff_t W, int pw_nv, T *S, T scale))                                   \
     X(void, bwd_p, (T *S, const T *dP, ptrdiff_t n, ptrdiff_t W, const T *lse,              \
                     double *acc))                                                           \
     X(void, bwd_ds, (T *S, T *dP, const T *G, ptrdiff_t n, ptrdiff_t W, const T *invZ,      \
