@@ -64,7 +64,9 @@ def share_blas_threads(enable: bool = True) -> list[str]:
     same jobs, partitioned as before). Needs OpenBLAS >= 0.3.27 with pthreads (numpy's wheels)
     and the compiled kernels; a library without the setter is left as it is. Calls from
     several Python threads at once go through one at a time. Process-wide, like every BLAS
-    setting: call it once, early (no BLAS call may be running in another thread meanwhile)."""
+    setting: call it once, early (no BLAS call may be running in another thread meanwhile).
+    It covers every OpenBLAS loaded at the time (NumPy's, SciPy's own); one loaded later
+    keeps its threads until this is called again."""
     try:
         from ._backends.cython_ import _import_kernels
         address = _import_kernels()._blas_callback_address()
@@ -147,5 +149,7 @@ def report() -> list[str]:
                 lines.append(f"    idle workers spin for 2**{exponent or 28} cycles after each call "
                              f"(OPENBLAS_THREAD_TIMEOUT {now}): fastattn called right after a "
                              f"NumPy matmul shares a core with them; OPENBLAS_THREAD_TIMEOUT=4 in "
-                             f"the environment before numpy loads stops that (README)")
+                             f"the environment before numpy loads stops that, or "
+                             f"fa.share_blas_threads() / FASTATTN_SHARE_BLAS_THREADS=1 runs "
+                             f"OpenBLAS's work on fastattn's pool (README)")
     return lines

@@ -188,3 +188,28 @@ def test_blas_regions_while_the_pool_is_busy_run_on_their_own_threads():
     r = _child(BUSY_CHILD)
     assert all(r["same"])
     assert r["counts"][1] >= 1, r["counts"]
+
+
+SCIPY_CHILD = CHILD_PRELUDE + r"""
+import scipy.linalg.blas as sb
+a = np.asfortranarray(np.random.default_rng(7).standard_normal((1500, 1500)).astype(np.float32))
+want = sb.sgemm(1.0, a, a)
+listed = fa.share_blas_threads()
+before = kernels._blas_callback_counts()[0]
+got = sb.sgemm(1.0, a, a)
+print(json.dumps({"listed": listed, "regions": kernels._blas_callback_counts()[0] - before,
+                  "same": bool(np.array_equal(got, want))}))
+"""
+
+
+def test_scipy_openblas_is_shared_too():
+    """SciPy wheels carry their own OpenBLAS (32-bit integers, another symbol suffix): it is
+    handed to the pool as well, with the same bits."""
+    _need_cython()
+    pytest.importorskip("scipy")
+    r = _child(SCIPY_CHILD)
+    scipy_libs = [p for p in r["listed"] if "scipy.libs" in p]
+    if not scipy_libs:
+        pytest.skip("SciPy's BLAS here is not an OpenBLAS with a threads callback")
+    assert r["same"]
+    assert r["regions"] >= (1 if len(os.sched_getaffinity(0)) >= 2 else 0)
