@@ -66,6 +66,26 @@ cdef enum:
     # the kernel, GQA 4 rows x d = 128, int8, a flash-layout cache in L2, this Xeon): 34 ns a
     # key at 8 keys a call, 28 at 16, 23 at 32 and 64 (float16 alike); from DRAM 44 -> 40.
     DEC_HG_BK_LOWP512 = 32
+    DEC_L1_WAYS = 12                 # L1d associativity dec_lowp512_keys assumes (SPR/GNR)
+
+
+cdef inline ptrdiff_t dec_lowp512_keys(AttnProblem *p) noexcept nogil:
+    """Keys per block of the AVX-512 low-precision decode: DEC_HG_BK_LOWP512, or fewer (not
+    below 16) where a block's V rows would crowd L1 sets.  P·V reads a block's V rows once
+    per column panel (two at d = 128 for groups of 3-6 rows), and rows `stride` bytes apart
+    fall into 4096 / gcd(stride, 4096) set positions: 32 float16 rows 2 KiB apart (8 kv
+    heads x d = 128, flash layout) put 16 lines into each of their sets, past L1's 12 ways,
+    and the second panel read them from L2.  cache_dtypes_decode's shape (GQA 32/8, d = 128,
+    16384 keys, 15 rounds with the read probe): float16 0.667 -> 0.717 of the probe at 24
+    keys (0.720 at 16), bfloat16 0.658 -> 0.675, int8 0.51 both (1 KiB rows).  Where rows
+    are 1 KiB apart (d = 64, or 4 kv heads) 24 keys read 1-7.5% slower: those keep 32."""
+    cdef int64_t stride = p.vss * (1 if p.kv_kind == 3 else 2), g = 4096, t
+    while stride > 0:                # g = gcd(4096, stride)
+        t = g % stride
+        g = stride
+        stride = t
+    return max(<ptrdiff_t>16, min(<ptrdiff_t>DEC_HG_BK_LOWP512,
+                                  <ptrdiff_t>(DEC_L1_WAYS * (4096 // g))))
 
 
 cdef void dec_rows(AttnProblem *p, ptrdiff_t g, ptrdiff_t nrg, ptrdiff_t Rcap, ptrdiff_t *b,
@@ -497,7 +517,7 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
             p.Bk = p.tune.dec_bk
         else:
             if p.kv_kind:
-                p.Bk = (DEC_HG_BK_LOWP512 if fa_decode_lowp_copy(p.E, p.Ev) == 2
+                p.Bk = (dec_lowp512_keys(p) if fa_decode_lowp_copy(p.E, p.Ev) == 2
                         else DEC_HG_BK_LOWP)
             else:
                 p.Bk = DEC_HG_BK if fa_decode1_available() else DEC_HG_BK_AVX2
