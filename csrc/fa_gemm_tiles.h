@@ -89,8 +89,7 @@ FA_INL void FN(fa_qk_tile_)(const int MRX, const int NVX, const FA_T *Ks, ptrdif
 }
 
 /* The 6-key tiles fa_qk runs, one call each: a clean register allocation whatever fa_qk's
- * loops keep live.  The call costs ~20 cycles against
- * the tile's E x 24 FMAs. */
+ * loops keep live.  The call costs ~20 cycles against the tile's E x 24 FMAs. */
 #if FA_MR == 12
 static __attribute__((noinline)) FA_ATTR void FN(fa_qk_pair_)(const FA_T *Ks, ptrdiff_t ldk,
                                                              const FA_T *Qp, ptrdiff_t E,

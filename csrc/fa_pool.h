@@ -213,6 +213,19 @@ static void fa_pool_grow(int n)
 
 static inline int fa_pool_helpers(void) { return fa_pool.n_helpers; }
 
+/* one turn of the caller's wait for helpers: pause for 64 turns, then give the core away
+ * (it may be the one a helper needs) */
+static inline void fa_pool_backoff(int *spins)
+{
+    if (++*spins < 64) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    } else {
+        sched_yield();
+    }
+}
+
 /* fa_pool_run (all = 0) and fa_pool_run_all (all = 1) */
 static int fa_pool_run_(int nt, fa_body fn, void *ctx, int wake, int all)
 {
@@ -255,29 +268,15 @@ static int fa_pool_run_(int nt, fa_body fn, void *ctx, int wake, int all)
     /* all: every one of the nt - 1 helpers enters before the job closes (each is idle: the
      * caller holds `run`, and the wake-up above reached the sleeping ones) */
     for (int spins = 0; all && (int)(__atomic_load_n(&fa_pool.word, __ATOMIC_ACQUIRE)
-                                     & FA_POOL_COUNT) < nt - 1; ) {
-        if (++spins < 64) {
-#if defined(__x86_64__) || defined(__i386__)
-            __builtin_ia32_pause();
-#endif
-        } else {
-            sched_yield();
-        }
-    }
+                                     & FA_POOL_COUNT) < nt - 1; )
+        fa_pool_backoff(&spins);
     /* close: from here no helper enters; wait for those inside (each holds at most one
      * item; yield the core meanwhile, it may be the one they need) */
     uint64_t w = __atomic_fetch_or(&fa_pool.word, FA_POOL_CLOSED, __ATOMIC_ACQ_REL);
     int entered = (int)(w & FA_POOL_COUNT);
     int spins = 0;
-    while (__atomic_load_n(&fa_pool.left, __ATOMIC_ACQUIRE) < entered) {
-        if (++spins < 64) {
-#if defined(__x86_64__) || defined(__i386__)
-            __builtin_ia32_pause();
-#endif
-        } else {
-            sched_yield();
-        }
-    }
+    while (__atomic_load_n(&fa_pool.left, __ATOMIC_ACQUIRE) < entered)
+        fa_pool_backoff(&spins);
     fa_pool.last_end_ns = fa_pool_now_ns();
     pthread_mutex_unlock(&fa_pool.run);
     return 1 + entered;

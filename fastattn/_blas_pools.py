@@ -17,7 +17,6 @@ The same jobs with the same partitioning: the same bits.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 
@@ -27,7 +26,7 @@ _SETTERS = ("openblas_set_threads_callback_function",
             "scipy_openblas_set_threads_callback_function64_",
             "scipy_openblas_set_threads_callback_function")
 _lock = threading.Lock()
-_shared: dict[str, ctypes._CFuncPtr] = {}      # library path -> its setter, while shared
+_shared: dict = {}              # library path -> its setter (a ctypes function), while shared
 
 
 def _loaded_openblas() -> list[str]:
@@ -44,6 +43,7 @@ def _loaded_openblas() -> list[str]:
 
 
 def _setter(path: str):
+    import ctypes                  # here, not at import: `import fastattn` stays light
     lib = ctypes.CDLL(path)                       # already loaded: the same handle
     for name in _SETTERS:
         fn = getattr(lib, name, None)
