@@ -556,6 +556,20 @@ def test_kvcache_plans_its_decode_steps_for_each_kind(rng, kind, page_size, dtyp
         assert planned.seqlens.tolist() == [6, 6]
 
 
+def test_numba_float16_conversion_is_numpys_bit_for_bit():
+    """numba's decode converts a float16 cache by bit operations (fastattn/_numba/_kvconv.py):
+    every one of the 65536 patterns, subnormals, infinities and NaN payloads included, gives
+    the float32 bits NumPy's astype gives."""
+    if not fa.backends()["numba"].available:
+        pytest.skip("numba is not available")
+    from fastattn._numba._kvconv import _f16_row
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    got = np.full(1 << 16, np.nan, np.float32)
+    _f16_row(bits, got, got.view(np.uint32))
+    np.testing.assert_array_equal(got.view(np.uint32),
+                                  bits.view(np.float16).astype(np.float32).view(np.uint32))
+
+
 def test_numba_refuses_a_low_precision_prefill(rng):
     """numba's tiled forward does not read a float16/bfloat16/int8 cache: named, it refuses
     with its reason and writes nothing; auto takes cython (or numpy) instead."""
