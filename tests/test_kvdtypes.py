@@ -570,6 +570,28 @@ def test_numba_float16_conversion_is_numpys_bit_for_bit():
                                   bits.view(np.float16).astype(np.float32).view(np.uint32))
 
 
+def test_numba_float16_conversion_with_denormals_flushed():
+    """The same with denormals-are-zero on in the converting thread (what
+    torch.set_flush_denormal(True) sets): float16 subnormals are normal float32 numbers and
+    must keep their values (a rebias by multiplying the shifted bits by 2^112 read them as 0)."""
+    torch = pytest.importorskip("torch")
+    if not fa.backends()["numba"].available:
+        pytest.skip("numba is not available")
+    from fastattn._numba._kvconv import _f16_row
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    got = np.full(1 << 16, np.nan, np.float32)
+    _f16_row(bits[:4], got[:4], got[:4].view(np.uint32))      # compiled before the switch
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        assert (np.array([1e-40], np.float32) * np.float32(2))[0] == 0    # DAZ is on here
+        _f16_row(bits, got, got.view(np.uint32))
+    finally:
+        torch.set_flush_denormal(False)
+    np.testing.assert_array_equal(got.view(np.uint32),
+                                  bits.view(np.float16).astype(np.float32).view(np.uint32))
+
+
 def test_numba_refuses_a_low_precision_prefill(rng):
     """numba's tiled forward does not read a float16/bfloat16/int8 cache: named, it refuses
     with its reason and writes nothing; auto takes cython (or numpy) instead."""
