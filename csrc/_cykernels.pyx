@@ -47,6 +47,21 @@ def decode_lowp_copy(E, Ev=None):
     return {2: "avx512", 1: "avx2"}.get(fa_decode_lowp_copy(E, E if Ev is None else Ev))
 
 
+def quantize_kv_rows(const float[:, ::1] x, int8_t[:, ::1] codes, float[::1] scale):
+    """codes, scale of the rows of x by fastattn/_kvdtypes.py's int8 rule (fa_kvconv.h:
+    fa_kv_quantize_rows, the same bits as its NumPy code).  Returns False, writing nothing,
+    if x holds a NaN or an Inf."""
+    cdef ptrdiff_t n = x.shape[0], E = x.shape[1]
+    if codes.shape[0] != n or codes.shape[1] != E or scale.shape[0] != n:
+        raise ValueError("quantize_kv_rows: codes must be x's shape and scale (rows,)")
+    if n == 0 or E == 0:
+        return True
+    cdef int bad
+    with nogil:
+        bad = fa_kv_quantize_rows(&x[0, 0], n, E, &codes[0, 0], &scale[0])
+    return bad == 0
+
+
 def max_threads():
     return fa_omp_max_threads()
 

@@ -1,7 +1,7 @@
 # Declarations shared by the kernel families: the SIMD ops of the copy selected at import
 # (fa_kernels.h, fa_ops.h), called with fused types.
 
-from libc.stdint cimport int32_t, int64_t, uint32_t, uint8_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint32_t, uint8_t
 from libc.stddef cimport ptrdiff_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset

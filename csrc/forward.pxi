@@ -31,6 +31,8 @@ cdef extern from "fa_kvconv.h" nogil:
     void fa_kv_rows_f32(int kind, const void *base, int64_t off, ptrdiff_t ld, ptrdiff_t n,
                         ptrdiff_t E, const float *scale, ptrdiff_t lds, float *dst,
                         ptrdiff_t ldd)
+    int fa_kv_quantize_rows(const float *x, ptrdiff_t n, ptrdiff_t E, int8_t *codes,
+                            float *scale)
 
 
 ctypedef struct Work:                # per-thread scratch, one buffer (fa_scratch.h)

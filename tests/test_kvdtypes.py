@@ -94,6 +94,37 @@ def test_quantize_kv_ties_zero_rows_and_underflow():
         fa.quantize_kv(np.ones(4, np.int32))
 
 
+def test_quantize_kv_compiled_equals_numpy(rng):
+    """The extension's quantizer (csrc/fa_kvconv.h, what quantize_kv and every int8 append
+    use when it is built) gives the NumPy rule's bits: rows of every magnitude down to
+    float32's subnormals (where the clip matters: max|x| = 190 * 2^-149 has scale 2^-149),
+    exact .5 ties, zero and negative-zero rows; and refuses a NaN or an Inf like it."""
+    from fastattn import _kvdtypes
+    if _kvdtypes._compiled_quantizer() is None:
+        pytest.skip("the compiled extension is not available")
+    tiny = np.float32(2.0 ** -149)
+    x = rng.standard_normal((40, 3, 64)).astype(np.float32)
+    x *= np.logspace(-44, 30, 40, dtype=np.float64).astype(np.float32)[:, None, None]
+    x[0, 0] = 0.0
+    x[0, 1] = -0.0
+    x[1, 0] = 0
+    x[1, 0, :3] = np.array([190, -100, 3], np.float32) * tiny
+    s = np.float32(2.0 ** -3)                  # ties: x / s exact halves
+    x[2, 0, :8] = np.array([127, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, 0], np.float32) * s
+    x[2, 0, 8:] = 0
+    codes, scale = _kvdtypes._quantize(x, "x", "t")
+    want_codes, want_scale = _kvdtypes._quantize_numpy(x, x, "x", "t")
+    np.testing.assert_array_equal(scale.view(np.uint32), want_scale.view(np.uint32))
+    np.testing.assert_array_equal(codes, want_codes)
+    assert codes[1, 0, 0] == 127 and codes[2, 0, :8].tolist() == [127, 0, 2, 2, 0, -2, 126, 0]
+    for bad in (np.nan, np.inf, -np.inf):
+        y = x.copy()
+        y[5, 2, 7] = bad
+        for quantize in (_kvdtypes._quantize, lambda a, n, f: _kvdtypes._quantize_numpy(a, a, n, f)):
+            with pytest.raises(ValueError, match="finite"):
+                quantize(y, "x", "t")
+
+
 # ---------------------------------------------------------------------------------------------
 # attention_with_kvcache on each kind, every option, against the dense reference
 # ---------------------------------------------------------------------------------------------
