@@ -118,7 +118,9 @@ def _quantize(arr: np.ndarray, name: str, fn: str) -> tuple[np.ndarray, np.ndarr
         if not quantize_rows(rows, codes, scale):
             raise ValueError(f"{fn}: {name} must be finite to be quantized to int8, got NaN or "
                              f"Inf (in {describe(arr)})")
-        return codes.reshape(x.shape), scale.reshape(x.shape[:-1])
+        scale = scale.reshape(x.shape[:-1])
+        # one row: a float32 scalar, as NumPy's reduction gives
+        return codes.reshape(x.shape), (scale[()] if x.ndim == 1 else scale)
     return _quantize_numpy(x, arr, name, fn)
 
 

@@ -117,6 +117,8 @@ def test_quantize_kv_compiled_equals_numpy(rng):
     np.testing.assert_array_equal(scale.view(np.uint32), want_scale.view(np.uint32))
     np.testing.assert_array_equal(codes, want_codes)
     assert codes[1, 0, 0] == 127 and codes[2, 0, :8].tolist() == [127, 0, 2, 2, 0, -2, 126, 0]
+    one = _kvdtypes._quantize(x[3, 1], "x", "t")[1]          # one row: a float32 scalar
+    assert type(one) is np.float32 and one == _kvdtypes._quantize_numpy(x[3, 1], x[3, 1], "x", "t")[1]
     for bad in (np.nan, np.inf, -np.inf):
         y = x.copy()
         y[5, 2, 7] = bad
