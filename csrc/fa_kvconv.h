@@ -122,7 +122,7 @@ static void fa_kv_rows_f32(int kind, const void *base, int64_t off, ptrdiff_t ld
 /* Quantize n rows of E float32 values (contiguous) to int8 codes and a float32 scale per row,
  * by fastattn/_kvdtypes.py's rule, the same bits as its NumPy code: scale = max|x| / 127 in
  * float32, code = round-half-to-even(x / scale) (a float32 division) clipped to +-127, a row
- * whose scale is 0 all zeros (there max|x| < 127 * 2^-150: x / 1 rounds to 0).  Returns 1,
+ * whose scale is 0 all zeros (there max|x| <= 127 * 2^-150: x / 1 rounds to 0).  Returns 1,
  * writing nothing, if a value is NaN or Inf.  Why in C: a decode step quantizes one token per
  * kv head, and the ~12 NumPy calls of the reference took ~12 us per array for a (12, 64)
  * token, a tenth of a small cache's whole decode call. */

@@ -94,8 +94,9 @@ def _compiled_quantizer():
     global _QUANTIZER
     if _QUANTIZER is None:
         try:
-            from . import _cykernels
-            _QUANTIZER = _cykernels.quantize_kv_rows
+            # the backend's import: libgomp must load with its threads waiting passively
+            from ._backends.cython_ import _import_kernels
+            _QUANTIZER = _import_kernels().quantize_kv_rows
         except ImportError:
             _QUANTIZER = False
     return _QUANTIZER or None
