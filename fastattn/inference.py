@@ -391,8 +391,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         k_scale=None if k_scale is None else k_scale[kv_rows].transpose(0, 2, 1),
         v_scale=None if v_scale is None else v_scale[kv_rows].transpose(0, 2, 1), fn=fn)
     be = _in_place_backend(problem, backend)
-    if not B * Lq * Hq * E * Ev:
-        be = _backends.registry["numpy"]     # degenerate sizes: the NumPy code handles each edge
+    if not B * Lq * Hq * E * Ev or not capacity:
+        # degenerate sizes, or a cache of no slots (every sequence then attends no key; with
+        # cache_batch_idx it is a paged cache of page_size 0, which the kernels refuse): the
+        # NumPy code handles each edge
+        be = _backends.registry["numpy"]
 
     # ---- write the new tokens (every check is done; int8 codes are made before any write,
     # so a non-finite token is refused with nothing written) ----

@@ -160,6 +160,25 @@ def test_cache_batch_idx_picks_rows(backend, rng):
         np.testing.assert_allclose(out[b], ref, atol=2e-5)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_cache_of_no_slots_attends_no_key(backend, rng, paged):
+    """A cache of capacity 0 (S_max = 0, or pages of 0 slots) with no tokens to add: every
+    sequence attends no key, as flash-attn's model has it: output 0, lse -inf. With
+    cache_batch_idx the cache is read as one page per sequence, of page_size 0 here, which the
+    compiled kernels refuse: the call must not reach them (hypothesis found it)."""
+    B, Hq, Hkv, E = 4, 2, 2, 8
+    q = rng.standard_normal((B, 1, Hq, E))
+    kc, vc = np.zeros((5, 0, Hkv, E)), np.zeros((5, 0, Hkv, E))
+    new = np.zeros((B, 0, Hkv, E))
+    opts = (dict(block_table=np.zeros((B, 2), np.int32)) if paged
+            else dict(cache_batch_idx=np.array([0, 4, 3, 1], np.int32)))
+    out, lse = fa.attention_with_kvcache(q, kc, vc, new, new, cache_seqlens=0, return_lse=True,
+                                         backend=backend, **opts)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    np.testing.assert_array_equal(out, 0)
+    assert np.all(lse == -np.inf)
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rotary_dim", [16, 8])
 def test_rotary_applied_at_absolute_positions(backend, rng, interleaved, rotary_dim):
