@@ -348,7 +348,7 @@ def gemm_qk(Sb, Bk, Qp, qoff, E, ntiles, Kp, kpoff, p0, p1, dlim=NO_LIMIT):
 KC = 128   # keys per k-chunk of P.V: a 128 x 64 V chunk (32 KiB) stays in L1
 
 
-def _make_gemm_pv(mk, mr=MR):
+def _make_gemm_pv(mk, mr=MR, PW=PW):
     @njit
     def gemm_pv(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, ntiles, dlim=NO_LIMIT):
         """acc[:ntiles*mr, :Ev] += P[:, p0:p0+n] . V[voff...] (V rows ldv apart: Ev, or a
@@ -383,7 +383,12 @@ PV_PF_KEYS = 32
 gemm_pv_stream = _make_gemm_pv(_make_microkernel(MR, NV, prefetch_b=PV_PF_KEYS))
 # ... and for one query row (MHA decode) a 1-row tile: the MR-row tile spent 5/6 of its FMAs
 # on padding rows. Each sum is the same FMA chain over the keys, so the bits are the same.
-gemm_pv_stream_row = _make_gemm_pv(_make_microkernel(1, NV, prefetch_b=PV_PF_KEYS), 1)
+# The row tile is 64 columns wide (8 ymm / 4 zmm accumulators): with AVX2's 2 ymm per row a
+# key's two FMAs waited on the previous key's (4 cycles a panel, 16 a key at d = 64); 8
+# independent chains keep both FMA units busy, each still one chain over the keys in order.
+NV_ROW = 64 // W
+gemm_pv_stream_row = _make_gemm_pv(_make_microkernel(1, NV_ROW, prefetch_b=PV_PF_KEYS), 1,
+                                   NV_ROW * W)
 
 
 # backward products accumulated over many tiles: end-add chains (see kb < 0)
@@ -448,7 +453,11 @@ def dec_qk_dot(Sb, c0, kf, koff, ldk, E, n, qs):
     lanes were padding and decode became compute-bound (7.4 GB/s against
     15.9 with this path, H=8 S=16384 d=128). Here LLVM vectorizes the
     reduction (reassoc in FM): E/16 FMAs per key and one horizontal sum; the
-    lane-wise partial sums are a blocked summation. For 2-4 rows the same
+    lane-wise partial sums are a blocked summation. With the rows indexed as
+    kf[base + t] the loop stayed scalar (numba's negative-index wrap-around):
+    MHA decode B1 H12 d64 S4096, one thread, Zen 3, with the 64-column P.V row
+    tile below: 3.0-3.6 -> 0.79-0.99 ms a call (interleaved processes; four keys
+    a pass, each q element loaded once for four FMAs, was no faster). For 2-4 rows the same
     loop with one accumulator per row compiled to slower code than the panel
     kernel (R=2: 18 vs 11 ms; R=4: 11.4 vs 9.5 ms), so they keep dec_qk."""
     wide_vectors()
@@ -457,9 +466,10 @@ def dec_qk_dot(Sb, c0, kf, koff, ldk, E, n, qs):
         base = koff + j * ldk
         for t in range(0, E, 16):
             prefetch_l2(kf, base + DOT_PF_KEYS * ldk + t)
+        kr = kf[base:base + E]          # a slice: kf[base + t] kept the loop scalar
         s = zero
         for t in range(E):
-            s += qs[t] * kf[base + t]
+            s += qs[t] * kr[t]
         Sb[0, c0 + j] = s
 
 
