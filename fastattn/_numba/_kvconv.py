@@ -63,6 +63,7 @@ def convert_rows(a, b, hk, j0, n, xf, scales, dst, values):
     width = a.Ev if values else a.q.shape[3]
     kind = a.kv_kind
     du = dst.view(np.uint32)
+    line = 64 // xf.itemsize            # elements per cache line, for the prefetch
     s0 = 0
     while s0 < n:
         j = j0 + s0
@@ -70,11 +71,10 @@ def convert_rows(a, b, hk, j0, n, xf, scales, dst, values):
         ns = min(n - s0, end - j)
         off = (vo + hk * a.vsH) if values else (ko + hk * a.ksH)
         ld = a.vsS if values else a.ksS
-        item = xf.itemsize
         for r in range(ns):
             src = off + r * ld
             ahead = src + CONV_PF_ROWS * ld
-            for t in range(0, width, 64 // item):
+            for t in range(0, width, line):
                 prefetch_l2(xf, ahead + t)
             d = (s0 + r) * width
             xs = xf[src:src + width]
