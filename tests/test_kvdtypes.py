@@ -642,3 +642,76 @@ def test_numba_refuses_a_low_precision_prefill(rng):
     out = fa.attention_with_kvcache(q, kc, vc, k, k, cache_seqlens=3, k_scale=ks, v_scale=vs)
     want, _ = dense(q[0], held(kc[0, :43], ks[0, :43]), held(vc[0, :43], vs[0, :43]))
     np.testing.assert_allclose(out[0], want, rtol=TOL, atol=TOL)
+
+
+def _f16c_convert(bits, flush_denormals=False):
+    """bits (uint16) through numba's F16C conversion (_intrinsics.f16_to_f32), starting and
+    ending off a vector's edge, with the floats around the destination checked untouched."""
+    from numba import njit
+    from fastattn._numba._intrinsics import f16_to_f32
+
+    @njit
+    def convert(src, dst, n):
+        f16_to_f32(src, 3, dst, 1, n, np.float32(0.0))
+    src = np.concatenate([np.zeros(3, np.uint16), bits])
+    out = np.full(bits.size + 2, -7.0, np.float32)
+    convert(src[:8], out[:8], 2)                                   # compiled before any switch
+    if flush_denormals:
+        torch = pytest.importorskip("torch")
+        if not torch.set_flush_denormal(True):
+            pytest.skip("this CPU cannot flush denormals")
+    try:
+        convert(src, out, bits.size)
+    finally:
+        if flush_denormals:
+            torch.set_flush_denormal(False)
+    assert out[0] == -7.0 and out[-1] == -7.0
+    return out[1:-1]
+
+
+@pytest.mark.parametrize("flush_denormals", [False, True])
+@pytest.mark.parametrize("n", [1 << 16, (1 << 16) - 5, 7])
+def test_numba_f16c_conversion_is_numpys(n, flush_denormals):
+    """Where the CPU has F16C numba converts a float16 cache with vcvtph2ps: every pattern,
+    subnormals and infinities included, gives NumPy's float32 bits, with denormals flushed or
+    not; a signalling NaN comes out quiet (its payload kept, the quiet bit set: the hardware's
+    rule, as in the Cython kernels), any other NaN as NumPy gives it."""
+    if not fa.backends()["numba"].available:
+        pytest.skip("numba is not available")
+    from fastattn._numba._intrinsics import HAVE_F16C
+    if not HAVE_F16C:
+        pytest.skip("this CPU has no F16C: numba converts by integer operations (tested above)")
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)[-n:]
+    got = _f16c_convert(bits, flush_denormals).view(np.uint32)
+    want = bits.view(np.float16).astype(np.float32).view(np.uint32)
+    signalling = ((bits & 0x7C00) == 0x7C00) & ((bits & 0x3FF) != 0) & ((bits & 0x200) == 0)
+    np.testing.assert_array_equal(got[~signalling], want[~signalling])
+    np.testing.assert_array_equal(got[signalling], want[signalling] | np.uint32(0x400000))
+    assert (n < (1 << 16)) or signalling.sum() == 2 * 511
+
+
+@pytest.mark.parametrize("n", [128, 77, 16, 5, 0])
+def test_numba_bfloat16_and_int8_row_converters(n):
+    """numba's bfloat16 and int8 row converters (_intrinsics.py): bfloat16 bits -> the float32
+    whose top half they are (NaN payloads kept), int8 codes -> float32(code) * scale rounded
+    once, as NumPy computes them; whole vectors and a masked tail, nothing written past n."""
+    if not fa.backends()["numba"].available:
+        pytest.skip("numba is not available")
+    from numba import njit
+    from fastattn._numba._intrinsics import bf16_to_f32, i8_to_f32
+
+    @njit
+    def convert(bits, codes, out_b, out_i, n, scale):
+        bf16_to_f32(bits, 2, out_b, 1, n, scale)
+        i8_to_f32(codes, 2, out_i, 1, n, scale)
+    rng = np.random.default_rng(n)
+    bits = rng.integers(0, 1 << 16, n + 2).astype(np.uint16)
+    codes = rng.integers(-127, 128, n + 2).astype(np.int8)
+    out_b = np.full(n + 2, -7.0, np.float32)
+    out_i = np.full(n + 2, -7.0, np.float32)
+    scale = np.float32(0.0123)
+    convert(bits, codes, out_b, out_i, n, scale)
+    want_b = (bits[2:].astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(out_b[1:n + 1].view(np.uint32), want_b.view(np.uint32))
+    np.testing.assert_array_equal(out_i[1:n + 1], codes[2:].astype(np.float32) * scale)
+    assert out_b[0] == out_i[0] == -7.0 and out_b[n + 1] == out_i[n + 1] == -7.0

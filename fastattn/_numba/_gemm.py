@@ -381,6 +381,9 @@ gemm_pv = _make_gemm_pv(microkernel_f32)
 # separate processes: time x0.79 (32 keys ahead) and x0.79 (64), Cython's x0.76 in the same run.
 PV_PF_KEYS = 32
 gemm_pv_stream = _make_gemm_pv(_make_microkernel(MR, NV, prefetch_b=PV_PF_KEYS))
+# ... and 4-row tiles (GQA groups of 2-4 rows, or 7-8: R = 4 filled 4 of the 6 rows of an MR
+# tile). The same FMA chain per element as every other tile shape.
+gemm_pv_stream4 = _make_gemm_pv(_make_microkernel(4, NV, prefetch_b=PV_PF_KEYS), 4)
 # ... and for one query row (MHA decode) a 1-row tile: the MR-row tile spent 5/6 of its FMAs
 # on padding rows. Each sum is the same FMA chain over the keys, so the bits are the same.
 # The row tile is 64 columns wide (8 ymm / 4 zmm accumulators): with AVX2's 2 ymm per row a

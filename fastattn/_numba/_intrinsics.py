@@ -19,6 +19,9 @@ from numba.extending import intrinsic, overload
 
 _FEATURES = llb.get_host_cpu_features()
 HAVE_AVX512 = bool(_FEATURES.get('avx512f', False))
+# F16C: float16 -> float32 as one instruction per vector (vcvtph2ps); without it LLVM would
+# lower the conversion to a libcall the JIT may not resolve, so _kvconv keeps integer code
+HAVE_F16C = bool(_FEATURES.get('f16c', False))
 # vreduceps (the exp2 row pass in _exp.py) is an AVX512DQ instruction
 HAVE_AVX512DQ = HAVE_AVX512 and bool(_FEATURES.get('avx512dq', False))
 
@@ -218,3 +221,86 @@ def prefetch_l2(typingctx, arr, idx):
         builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
         return context.get_dummy_value()
     return types.none(arr, types.intp), codegen
+
+
+
+def _make_row_converter(kind):
+    """An intrinsic converting n stored cache elements into float32:
+    dst[dst_off + t] = value(src[src_off + t]) for t < n, where value is, by kind,
+      'f16':  the float16 whose bits src holds (uint16), by LLVM's fpext half -> float (F16C's
+              vcvtph2ps: exact for every pattern, subnormals included, whatever the MXCSR's
+              denormal flags; a signalling NaN comes out quiet). Only where HAVE_F16C.
+      'bf16': the bfloat16 whose bits src holds (uint16): the top half of a float32.
+      'i8':   float32(code) * scale for int8 codes.
+    Whole vectors of 16, the last partial one through masked loads and stores. Plain IR, no
+    array views: numba's slices cost a reference count (an atomic) each, per cache row."""
+    W = 16
+    src_dtype = types.int8 if kind == 'i8' else types.uint16
+
+    @intrinsic
+    def convert(typingctx, src, src_off, dst, dst_off, n, scale):
+        if not (isinstance(src, types.Array) and src.dtype == src_dtype
+                and isinstance(dst, types.Array) and dst.dtype == types.float32):
+            return None
+
+        def codegen(context, builder, signature, args):
+            tys = signature.args
+            i1, i32, i64 = ir.IntType(1), ir.IntType(32), ir.IntType(64)
+            ie = ir.IntType(8 if kind == 'i8' else 16)
+            so, do, n_ = [context.cast(builder, args[k], tys[k], types.intp) for k in (1, 3, 4)]
+            sc = context.cast(builder, args[5], tys[5], types.float32)
+            sdat = context.make_array(tys[0])(context, builder, args[0]).data
+            ddat = context.make_array(tys[2])(context, builder, args[2]).data
+            iv = ir.VectorType(ie, W)
+            fv, mv = ir.VectorType(ir.FloatType(), W), ir.VectorType(i1, W)
+            mod = builder.module
+            mload = cgutils.get_or_insert_function(
+                mod, ir.FunctionType(iv, [iv.as_pointer(), i32, mv, iv]),
+                "llvm.masked.load.v%di%d.p0" % (W, ie.width))
+            mstore = cgutils.get_or_insert_function(
+                mod, ir.FunctionType(ir.VoidType(), [fv, fv.as_pointer(), i32, mv]),
+                "llvm.masked.store.v%df32.p0" % W)
+            sbase = builder.gep(sdat, [so])
+            dbase = builder.gep(ddat, [do])
+            if kind == 'i8':
+                u = builder.insert_element(ir.Constant(fv, ir.Undefined), sc, ir.Constant(i32, 0))
+                scv = builder.shuffle_vector(u, ir.Constant(fv, ir.Undefined),
+                                             ir.Constant(ir.VectorType(i32, W), [0] * W))
+
+            def value(x):
+                if kind == 'f16':
+                    return builder.fpext(builder.bitcast(x, ir.VectorType(ir.HalfType(), W)), fv)
+                if kind == 'bf16':
+                    wide = builder.zext(x, ir.VectorType(i32, W))
+                    return builder.bitcast(builder.shl(wide, ir.Constant(ir.VectorType(i32, W),
+                                                                         [16] * W)), fv)
+                return builder.fmul(builder.sitofp(x, fv), scv)
+
+            def ptrs(e):
+                return (builder.bitcast(builder.gep(sbase, [e]), iv.as_pointer()),
+                        builder.bitcast(builder.gep(dbase, [e]), fv.as_pointer()))
+            wc = ir.Constant(i64, W)
+            nfull = builder.sdiv(n_, wc)
+            with cgutils.for_range(builder, nfull) as loop:
+                sp, dp = ptrs(builder.mul(loop.index, wc))
+                builder.store(value(builder.load(sp, align=1)), dp, align=4)
+            tail = builder.mul(nfull, wc)
+            with builder.if_then(builder.icmp_signed('<', tail, n_)):
+                rest = builder.sub(n_, tail)
+                lanes = ir.Constant(ir.VectorType(i64, W), list(range(W)))
+                u = builder.insert_element(ir.Constant(ir.VectorType(i64, W), ir.Undefined), rest,
+                                           ir.Constant(i32, 0))
+                restv = builder.shuffle_vector(u, ir.Constant(ir.VectorType(i64, W), ir.Undefined),
+                                               ir.Constant(ir.VectorType(i32, W), [0] * W))
+                mask = builder.icmp_signed('<', lanes, restv)
+                sp, dp = ptrs(tail)
+                x = builder.call(mload, [sp, ir.Constant(i32, 1), mask, ir.Constant(iv, [0] * W)])
+                builder.call(mstore, [value(x), dp, ir.Constant(i32, 4), mask])
+            return context.get_dummy_value()
+        return types.none(src, src_off, dst, dst_off, n, scale), codegen
+    return convert
+
+
+f16_to_f32 = _make_row_converter('f16')
+bf16_to_f32 = _make_row_converter('bf16')
+i8_to_f32 = _make_row_converter('i8')

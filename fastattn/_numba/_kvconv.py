@@ -8,9 +8,10 @@ reads; never more than a block, so the cache is read in place. The conversions a
 cache's value is a float32 number; int8's product is the one the cache is defined to hold).
 """
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
-from ._intrinsics import prefetch_l2
+from ._intrinsics import HAVE_F16C, bf16_to_f32, f16_to_f32, i8_to_f32, prefetch_l2
 from ._kv import kv_run
 
 # Rows ahead of the one converted whose lines convert_rows prefetches (to L2). The
@@ -21,7 +22,9 @@ from ._kv import kv_run
 CONV_PF_ROWS = 16
 
 
-# float16 -> float32 by integer operations that vectorize (a table of every pattern's value,
+# float16 -> float32 where the CPU has F16C: LLVM's fpext, vcvtph2ps (_intrinsics.f16_to_f32;
+# B4 32/8 heads d128 1024 keys, Zen 4: the integer code below took ~0.5 ns an element). Else,
+# by integer operations that vectorize (a table of every pattern's value,
 # one gather per element, ran at ~1 ns an element; this, ~0.6): the exponent and significand
 # shifted into float32's places and the exponent rebiased (+112) by an integer add; the
 # largest exponent (inf, NaN) set to float32's; then the sign. Subnormals (exponent 0, their
@@ -54,15 +57,37 @@ def _f16_row(xs, ds, du):
                 ds[t] = -v if (h & np.uint32(0x8000)) else v
 
 
+def _convert_row(kind, xf, src, dst, d, width, sc):  # pragma: no cover - see the overload
+    raise NotImplementedError
+
+
+@overload(_convert_row, inline="always")
+def _convert_row_ol(kind, xf, src, dst, d, width, sc):
+    """dst[d:d+width] = the values of the stored elements xf[src:src+width], by kind, through
+    the vector converters of _intrinsics.py (no slices: each costs numba a reference count,
+    an atomic, and per cache row they were ~20% of an int8 decode's samples)."""
+    if xf.dtype == types.int8:
+        return lambda kind, xf, src, dst, d, width, sc: i8_to_f32(xf, src, dst, d, width, sc)
+
+    def impl(kind, xf, src, dst, d, width, sc):
+        if kind == 2:                          # bfloat16: the top half of a float32
+            bf16_to_f32(xf, src, dst, d, width, sc)
+        elif HAVE_F16C:                        # one vcvtph2ps a vector
+            f16_to_f32(xf, src, dst, d, width, sc)
+        else:
+            _f16_row(xf[src:src + width], dst[d:d + width], dst.view(np.uint32)[d:d + width])
+    return impl
+
+
 @njit(nogil=True)
 def convert_rows(a, b, hk, j0, n, xf, scales, dst, values):
     """Keys j0 .. j0+n-1 of kv head (b, hk) from the stored k (values: v), xf = its flat view,
     into rows 0 .. n-1 of dst (E or Ev float32 elements apart); scales: k_scale / v_scale
-    (int8 only).  Each row through slices: indexed as xf[src + t], numba's negative-index
-    handling kept the loops scalar (~1 ns an element; slices: 0.16 for int8)."""
+    (int8 only). Each row by one vector converter (_convert_row): indexed as xf[src + t] the
+    loops stayed scalar (numba's negative-index handling, ~1 ns an element), and slices cost
+    a reference count each."""
     width = a.Ev if values else a.q.shape[3]
     kind = a.kv_kind
-    du = dst.view(np.uint32)
     line = 64 // xf.itemsize            # elements per cache line, for the prefetch
     s0 = 0
     while s0 < n:
@@ -76,21 +101,12 @@ def convert_rows(a, b, hk, j0, n, xf, scales, dst, values):
             ahead = src + CONV_PF_ROWS * ld
             for t in range(0, width, line):
                 prefetch_l2(xf, ahead + t)
-            d = (s0 + r) * width
-            xs = xf[src:src + width]
-            ds = dst[d:d + width]
+            sc = np.float32(0.0)
             if kind == 3:
                 jj = j + r
                 if a.has_block_table:
                     sc = scales[a.block_table[b, jj // a.page_size], hk, jj % a.page_size]
                 else:
                     sc = scales[b, hk, jj]
-                for t in range(width):
-                    ds[t] = np.float32(xs[t]) * sc
-            elif kind == 2:                  # bfloat16: the top half of a float32
-                dus = du[d:d + width]
-                for t in range(width):
-                    dus[t] = np.uint32(xs[t]) << np.uint32(16)
-            else:
-                _f16_row(xs, ds, du[d:d + width])
+            _convert_row(kind, xf, src, dst, (s0 + r) * width, width, sc)
         s0 += ns

@@ -31,7 +31,8 @@ from ._scores import (
     alibi_slope, band_partial, group_block_status, mask_base, needs_rows, score_units,
     sink_logit, tile_scores)
 from ._tiles import block_all_finite, pv_nonfinite, sink_row, tile_dropout, tile_online
-from ._gemm import MR, dec_qk, dec_qk_dot, gemm_pv_stream, gemm_pv_stream_row
+from ._gemm import MR, dec_qk, dec_qk_dot, gemm_pv_stream, gemm_pv_stream4, gemm_pv_stream_row
+from ._dec_rows import ROWS_MAX, dec_qk_rows
 
 
 # float32 -> the register-blocked kernels (_gemm.py), float64 -> BLAS,
@@ -58,6 +59,8 @@ def _dec_qk_ol(Sb, c0, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, ldk, n, ab):
         def impl(Sb, c0, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, ldk, n, ab):
             if R == 1:
                 dec_qk_dot(Sb, c0, kf, koff, ldk, E, n, Qs[0])
+            elif R <= ROWS_MAX:
+                dec_qk_rows(Sb, c0, kf, koff, ldk, E, n, Qs, R)
             else:
                 dec_qk(Sb, c0, kf, koff, ldk, E, n, Qt, R, SbT)
     else:
@@ -73,6 +76,8 @@ def _dec_pv_ol(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R, ab):
         def impl(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R, ab):
             if R == 1:
                 gemm_pv_stream_row(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, 1)
+            elif 4 * ((R + 3) // 4) < Pb.shape[0]:     # 4-row tiles pad less than MR's
+                gemm_pv_stream4(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, (R + 3) // 4)
             else:
                 gemm_pv_stream(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, (R + MR - 1) // MR)
     else:

@@ -1,0 +1,218 @@
+"""Decode scores for a few query rows (GQA decode: R = 2..8 rows of one kv group), as LLVM IR.
+
+The panel kernel of _gemm.dec_qk puts the query rows in a vector's lanes and broadcasts each
+K element, so a key costs E vector FMAs whatever R is: with R = 4 rows, 12 of AVX-512's 16
+lanes were padding and the numba GQA decode took ~2x Cython's time with the keys in cache.
+Here the lanes run along the head dim instead: for a group of KQ keys, each of the R x KQ
+(row, key) pairs has one vector accumulator of lane-wise partial sums (lane l sums the
+products e = l, l + W, l + 2W, ...), E / W FMAs a pair; the R x KQ accumulators are then
+reduced together by a transposing tree (two vectors' halves shuffled side by side and added,
+log2(W) levels), ~3 operations a score where a reduction of its own would take ~8.
+
+Every score is summed in the same order wherever its key sits (the lane chains, then the
+tree: partials l and l + W/2, then l and l + W/4, ...), whichever group it falls in, so a key
+block taken in runs (a paged cache) or keys at a block's tail (the one-key variant) give the
+bits of the same keys scored in groups. The lane-wise blocked sum is also the more accurate
+order (chains of E / W products, then a pairwise tree), which the 2x-naive rule needs for
+large logits (see _gemm.QK_KB).
+"""
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ._intrinsics import HAVE_AVX512
+
+W = 16 if HAVE_AVX512 else 8          # float32 lanes per vector register
+ACC_REGS = 16 if HAVE_AVX512 else 8   # accumulators a group keeps in registers (32 / 16 regs)
+ROWS_MAX = ACC_REGS // 2              # rows scored here; more rows fill the panel kernel's lanes
+# Keys ahead of the group whose K lines each step prefetches to L2 (decode streams K from
+# DRAM once; the same distance as _gemm.DOT_PF_KEYS).
+PF_KEYS = 16
+PF_LOCALITY = 2
+
+
+def keys_per_group(R):
+    """Keys scored together for R rows: as many as keep R x KQ accumulators in registers."""
+    kq = 1
+    while 2 * kq * R <= ACC_REGS:
+        kq *= 2
+    return kq
+
+
+def _reduce_tree(builder, vals, ids):
+    """vals: vectors of W lane partials, one accumulator each (ids[i] names vals[i]) ->
+    one or more vectors whose lanes hold whole sums, and each lane's id (None: padding).
+    Each level pairs two vectors holding G groups of P partials and makes one of 2G groups of
+    P/2: partial i and i + P/2 of every group added, the same pairs whatever the grouping."""
+    f32 = ir.FloatType()
+    vty = ir.VectorType(f32, W)
+    zero = ir.Constant(vty, [0.0] * W)
+    groups = [[i] for i in ids]
+    P = W
+    while P > 1:
+        half = P // 2
+        nvals, ngroups = [], []
+        for k in range(0, len(vals), 2):
+            a, ga = vals[k], groups[k]
+            if k + 1 < len(vals):
+                b, gb = vals[k + 1], groups[k + 1]
+            else:
+                b, gb = zero, [None] * len(ga)
+            lo, hi = [], []
+            for src, gs in ((0, ga), (W, gb)):
+                for g in range(len(gs)):
+                    lo += [src + g * P + i for i in range(half)]
+                    hi += [src + g * P + half + i for i in range(half)]
+            mask_lo = ir.Constant(ir.VectorType(ir.IntType(32), W), lo)
+            mask_hi = ir.Constant(ir.VectorType(ir.IntType(32), W), hi)
+            s = builder.fadd(builder.shuffle_vector(a, b, mask_lo),
+                             builder.shuffle_vector(a, b, mask_hi))
+            nvals.append(s)
+            ngroups.append(ga + gb)
+        vals, groups = nvals, ngroups
+        P = half
+    return vals, groups
+
+
+def _make_rows_kernel(R, KQ):
+    """The intrinsic scoring R query rows against KQ keys:
+    sb[sb_off + r*ldsb + j] = sum_e q[q_off + r*ldq + e] * k[k_off + j*ldk + e]."""
+    @intrinsic
+    def rows_kernel(typingctx, sb, sb_off, ldsb, kf, k_off, ldk, qf, q_off, ldq, E):
+        for arr in (sb, kf, qf):
+            if not (isinstance(arr, types.Array) and arr.dtype == types.float32):
+                return None
+        sig = types.void(sb, sb_off, ldsb, kf, k_off, ldk, qf, q_off, ldq, E)
+
+        def codegen(context, builder, signature, args):
+            try:                 # 512-bit vectors stay whole (see _gemm._mk_typer)
+                set.add(builder.function.attributes, '"min-legal-vector-width"="512"')
+                set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+            except Exception:  # pragma: no cover
+                pass
+            tys = signature.args
+            i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+
+            def iarg(k):
+                return context.cast(builder, args[k], tys[k], types.intp)
+            sb_off_, ldsb_, k_off_, ldk_, q_off_, ldq_, E_ = [
+                iarg(k) for k in (1, 2, 4, 5, 7, 8, 9)]
+            sdat = context.make_array(tys[0])(context, builder, args[0]).data
+            kdat = context.make_array(tys[3])(context, builder, args[3]).data
+            qdat = context.make_array(tys[6])(context, builder, args[6]).data
+            vty = ir.VectorType(f32, W)
+            mty = ir.VectorType(ir.IntType(1), W)
+            vptr = vty.as_pointer()
+            zero = ir.Constant(vty, [0.0] * W)
+            mod = builder.module
+            mload = cgutils.get_or_insert_function(
+                mod, ir.FunctionType(vty, [vptr, i32, mty, vty]), "llvm.masked.load.v%df32.p0" % W)
+            fma = cgutils.get_or_insert_function(
+                mod, ir.FunctionType(vty, [vty, vty, vty]), "llvm.fmuladd.v%df32" % W)
+            pf = cgutils.get_or_insert_function(
+                mod, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]),
+                "llvm.prefetch.p0")
+            align = ir.Constant(i32, 4)
+            kbase = builder.gep(kdat, [k_off_])
+            qbase = builder.gep(qdat, [q_off_])
+            krow = [builder.gep(kbase, [builder.mul(ldk_, ir.Constant(i64, j))])
+                    for j in range(KQ)]
+            kahead = [builder.gep(kbase, [builder.mul(ldk_, ir.Constant(i64, j + PF_KEYS))])
+                      for j in range(KQ)]
+            qrow = [builder.gep(qbase, [builder.mul(ldq_, ir.Constant(i64, r))])
+                    for r in range(R)]
+            accs = [[cgutils.alloca_once(builder, vty) for _ in range(KQ)] for _ in range(R)]
+            for r in range(R):
+                for j in range(KQ):
+                    builder.store(zero, accs[r][j])
+
+            def step(e0, mask):
+                def load(base):
+                    p = builder.bitcast(builder.gep(base, [e0]), vptr)
+                    if mask is None:
+                        return builder.load(p, align=4)
+                    return builder.call(mload, [p, align, mask, zero])
+                for j in range(KQ):
+                    builder.call(pf, [builder.bitcast(builder.gep(kahead[j], [e0]),
+                                                      ir.IntType(8).as_pointer()),
+                                      ir.Constant(i32, 0), ir.Constant(i32, PF_LOCALITY),
+                                      ir.Constant(i32, 1)])
+                kv = [load(krow[j]) for j in range(KQ)]
+                for r in range(R):
+                    qv = load(qrow[r])
+                    for j in range(KQ):
+                        builder.store(builder.call(fma, [qv, kv[j], builder.load(accs[r][j])]),
+                                      accs[r][j])
+
+            wc = ir.Constant(i64, W)
+            nfull = builder.sdiv(E_, wc)
+            with cgutils.for_range(builder, nfull) as loop:
+                step(builder.mul(loop.index, wc), None)
+            e_tail = builder.mul(nfull, wc)
+            with builder.if_then(builder.icmp_signed('<', e_tail, E_)):
+                lanes = ir.Constant(ir.VectorType(i64, W), list(range(W)))
+                rest = builder.sub(E_, e_tail)
+                u = builder.insert_element(ir.Constant(ir.VectorType(i64, W), ir.Undefined),
+                                           rest, ir.Constant(i32, 0))
+                restv = builder.shuffle_vector(u, ir.Constant(ir.VectorType(i64, W), ir.Undefined),
+                                               ir.Constant(ir.VectorType(i32, W), [0] * W))
+                step(e_tail, builder.icmp_signed('<', lanes, restv))
+
+            ids = [(r, j) for r in range(R) for j in range(KQ)]
+            vals, groups = _reduce_tree(builder, [builder.load(accs[r][j]) for r, j in ids], ids)
+            sbase = builder.gep(sdat, [sb_off_])
+            for v, g in zip(vals, groups):
+                for lane, rj in enumerate(g):
+                    if rj is None:
+                        continue
+                    r, j = rj
+                    at = builder.add(builder.mul(ldsb_, ir.Constant(i64, r)), ir.Constant(i64, j))
+                    builder.store(builder.extract_element(v, ir.Constant(i32, lane)),
+                                  builder.gep(sbase, [at]))
+            return context.get_dummy_value()
+        return sig, codegen
+    return rows_kernel
+
+
+def _make_rows_driver(R):
+    KQ = keys_per_group(R)
+    group = _make_rows_kernel(R, KQ)
+    one = _make_rows_kernel(R, 1)
+
+    @njit
+    def drive(sbf, s_off, ldsb, kf, koff, ldk, qf, ldq, E, n):
+        full = n - n % KQ
+        for j in range(0, full, KQ):
+            group(sbf, s_off + j, ldsb, kf, koff + j * ldk, ldk, qf, 0, ldq, E)
+        for j in range(full, n):
+            one(sbf, s_off + j, ldsb, kf, koff + j * ldk, ldk, qf, 0, ldq, E)
+    return drive
+
+
+# R = 2..8 on every CPU (the dispatch below names them all); the caller uses R <= ROWS_MAX
+_d2, _d3, _d4, _d5, _d6, _d7, _d8 = [_make_rows_driver(R) for R in range(2, 9)]
+
+
+@njit
+def dec_qk_rows(Sb, c0, kf, koff, ldk, E, n, Qs, R):
+    """Sb[:R, c0:c0+n] = the scores of the R (2 <= R <= ROWS_MAX) query rows Qs against n keys
+    whose rows start at kf[koff] and lie ldk apart."""
+    sbf = Sb.reshape(-1)
+    qf = Qs.reshape(-1)
+    ldsb = Sb.shape[1]
+    ldq = Qs.shape[1]
+    if R == 2:
+        _d2(sbf, c0, ldsb, kf, koff, ldk, qf, ldq, E, n)
+    elif R == 3:
+        _d3(sbf, c0, ldsb, kf, koff, ldk, qf, ldq, E, n)
+    elif R == 4:
+        _d4(sbf, c0, ldsb, kf, koff, ldk, qf, ldq, E, n)
+    elif R == 5:
+        _d5(sbf, c0, ldsb, kf, koff, ldk, qf, ldq, E, n)
+    elif R == 6:
+        _d6(sbf, c0, ldsb, kf, koff, ldk, qf, ldq, E, n)
+    elif R == 7:
+        _d7(sbf, c0, ldsb, kf, koff, ldk, qf, ldq, E, n)
+    elif R == 8:
+        _d8(sbf, c0, ldsb, kf, koff, ldk, qf, ldq, E, n)
