@@ -461,8 +461,12 @@ def decode(args, out, lse):
     heads = bool(HEADS_TOGETHER and Hkv >= 2 and args.k_strides[1] < args.k_strides[2]
                  and args.v_strides[1] < args.v_strides[2])
     if heads and not args.tuning.decode_block_k:
-        Bk = HEADS_BLOCK_KEYS * max(1, HEADS_BLOCK_BYTES // (
-            Hkv * (E + args.v.shape[3]) * q.itemsize * HEADS_BLOCK_KEYS))
+        if args.kv_kind:          # a low-precision cache: its block converted a head at a time
+            Bk = HEADS_BLOCK_KEYS * max(1, HEADS_LOWP_TILE_BYTES // (
+                (E + args.v.shape[3]) * q.itemsize * HEADS_BLOCK_KEYS))
+        else:
+            Bk = HEADS_BLOCK_KEYS * max(1, HEADS_BLOCK_BYTES // (
+                Hkv * (E + args.v.shape[3]) * q.itemsize * HEADS_BLOCK_KEYS))
     prime_blas()
     with blas_single_thread, numba_threads(args.n_threads) as nt:
         if heads:
@@ -489,5 +493,13 @@ HEADS_BLOCK_BYTES = 512 << 10
 # lengths 512..16384, flash layout, 2 threads, interleaved, load ~6): 48 keys 1.51x cython's
 # time, 64 keys (60 + a 4-key tail) 2.07x.
 HEADS_BLOCK_KEYS = 48
+# ... and over a float16/bfloat16/int8 cache, blocks whose converted float32 K and V tiles of
+# one kv head fill this much (240 keys at d = 128): each block of each head pays a fixed cost
+# (conversion set-up, mask status, the softmax pass's set-up) that 48-key blocks did not
+# amortize. B4 32/8 d128 16384 keys, Zen 4, 2 threads, medians of 7 interleaved rounds in one
+# process, keys per block 48 / 96 / 240 / 384 / 768: int8 21.5 / 19.2 / 18.0 / 17.7 / 17.4 ms,
+# float16 27.5 / 26.0 / 24.7 / 23.2 / 22.6 (float32, unchanged at 48: 22.5 / 23.1 / 22.2 /
+# 22.3 / 22.8). Half a 512 KiB L2, so the tiles stay in L2 on the smaller-L2 boxes too.
+HEADS_LOWP_TILE_BYTES = 256 << 10
 HEADS_ITEMS_PER_THREAD = 32
 HEADS_MIN_CHUNK = 1024
