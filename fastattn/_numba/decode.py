@@ -86,27 +86,19 @@ def _dec_pv_ol(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R, ab):
     return impl
 
 
+# Keys of a low-precision cache converted at a time (_block_qk / _block_pv): a 16 KiB float32
+# tile at d = 128, in L1 when the kernels read it. Converted a whole block at a time (240 keys,
+# 120 KiB), the tile's stores and reads went through L2 and the conversion took ~65% of an
+# int8 decode's samples.
+LOWP_SUB_KEYS = 32
+
+
 @njit(fastmath=FM, nogil=True, inline='always')
-def _decode_block(a, b, hk, j0, n, qo, kf, koff, ldk, vf, voff, ldv, paged, Qs, Qt, SbT, Sb,
-                  Pb, acc, m, lsum, ab):
-    """Keys j0 .. j0+n-1 of kv head (b, hk) for the R query rows of its group (Qs; Qt the same
-    transposed; query row i of sequence b at key position i + qo): the online-softmax update
-    of m, lsum and acc. The keys are read where they are: rows ldk (values ldv) apart from
-    kf[koff] / vf[voff], or, when `paged`, run by run of one page of the whole cache kf/vf
-    (_kv.kv_run) into the columns of the block's tile, so the block's sums are those of the
-    same block stored contiguously."""
-    q = a.q
-    B, Hq, L, E = q.shape
-    Ev = a.Ev
-    g = Hq // a.Hkv
-    R = g * L
+def _block_qk_stored(a, b, hk, n, kf, koff, ldk, paged, Sb, Qs, Qt, SbT, R, E, Eld, j0, ab):
+    """The raw scores Sb[:R, :n] of keys j0 .. j0+n-1 of kv head (b, hk) read where they are:
+    rows ldk apart from kf[koff], or, when `paged`, run by run of one page of the whole cache
+    (_kv.kv_run) into the columns of the block's tile."""
     Bk = Sb.shape[1]
-    Eld = max(E, 1)
-    Evld = max(Ev, 1)
-    # mask status over the whole group tile (all heads, all rows)
-    mstat = group_block_status(a, b, hk * g, g, L, j0, n)
-    if mstat == 0:
-        return
     if paged:
         s0 = 0
         while s0 < n:
@@ -116,24 +108,43 @@ def _decode_block(a, b, hk, j0, n, qo, kf, koff, ldk, vf, voff, ldv, paged, Qs, 
             s0 += ns
     else:
         _dec_qk(Sb, 0, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, ldk, n, ab)
-    to_nat, c_exp, kappa = score_units(a)
-    # every head's rows sit at the same positions: one band status for the tile
-    partial = band_partial(a, j0, n, qo, L - 1 + qo)
-    if needs_rows(a, partial, mstat):
-        for hh in range(g):
-            # rows hh*L .. hh*L+L-1 belong to query head h
-            h = hk * g + hh
-            tile_scores(Sb, hh * L, hh * L + L, n, j0, qo, a, alibi_slope(a, b, h),
-                        mask_base(a, b, h, 0, j0), mstat, Sb, False)
-    tile_online(Sb, Pb, 0, R, n, m, lsum, acc, Ev, c_exp)
-    do_drop = a.dropout_p > 0.0
-    if do_drop:
-        thresh = dropout_threshold_nb(a.dropout_p)
-        for hh in range(g):
-            tile_dropout(Pb, hh * L, hh * L + L, n, a.seed, dropout_bh(a, b, hk * g + hh),
-                         a.dropout_row0, a.dropout_col0 + j0, thresh)
-    # no exact path where no weight is zeroed by a mask/dropout (see forward.py)
-    fast = mstat == 1 and not partial and not do_drop
+
+
+def _block_qk(a, b, hk, n, kf, koff, ldk, paged, Sb, Qs, Qt, SbT, R, E, Eld, j0, ab,
+              Kc):  # pragma: no cover - replaced by the overload
+    raise NotImplementedError
+
+
+@overload(_block_qk, inline="always")
+def _block_qk_ol(a, b, hk, n, kf, koff, ldk, paged, Sb, Qs, Qt, SbT, R, E, Eld, j0, ab, Kc):
+    """_block_qk_stored on a float32/float64 cache; on a float16, bfloat16 or int8 one (k of
+    uint16 or int8), LOWP_SUB_KEYS keys at a time converted into the float32 tile Kc
+    (_kvconv.py) and scored from there (each score's bits do not depend on its neighbours)."""
+    if kf.dtype in (types.float32, types.float64):
+        def impl(a, b, hk, n, kf, koff, ldk, paged, Sb, Qs, Qt, SbT, R, E, Eld, j0, ab, Kc):
+            _block_qk_stored(a, b, hk, n, kf, koff, ldk, paged, Sb, Qs, Qt, SbT, R, E, Eld,
+                             j0, ab)
+    else:
+        def impl(a, b, hk, n, kf, koff, ldk, paged, Sb, Qs, Qt, SbT, R, E, Eld, j0, ab, Kc):
+            Bk = Sb.shape[1]
+            s0 = 0
+            while s0 < n:
+                ns = min(LOWP_SUB_KEYS, n - s0)
+                convert_rows(a, b, hk, j0 + s0, ns, kf, a.k_scale, Kc, False)
+                _dec_qk(Sb, s0, Bk, Qs, Qt, SbT, R, E, Eld, Kc, 0, E, ns, ab)
+                s0 += ns
+    return impl
+
+
+@njit(fastmath=FM, nogil=True, inline='always')
+def _block_pv_stored(a, b, hk, j0, n, vf, voff, ldv, paged, fast, Pb, acc, R, ab):
+    """acc[:R] += P[:R, :n] . V for keys j0 .. j0+n-1 of kv head (b, hk), the values read where
+    they are (as _block_qk_stored reads the keys). fast: no weight of the block was zeroed by
+    a mask or dropout, so no exact path is needed (see forward.py); else, where V holds a
+    NaN/Inf, the exact path on the block's V rows made adjacent."""
+    Ev = a.Ev
+    Evld = max(Ev, 1)
+    Bk = Pb.shape[1]
     if paged:
         s0 = 0
         while s0 < n and not fast:
@@ -153,41 +164,83 @@ def _decode_block(a, b, hk, j0, n, qo, kf, koff, ldk, vf, voff, ldv, paged, Qs, 
     elif fast or rows_all_finite(vf, voff, ldv, n, Ev):
         _dec_pv(acc, Evld, Pb, Bk, 0, vf, voff, ldv, Ev, n, R, ab)
         return
-    # V holds a NaN/Inf: the exact path, on the block's V rows made adjacent
-    Vs = np.empty((Bk, Evld), q.dtype)
+    Vs = np.empty((Bk, Evld), acc.dtype)
     if paged or ldv != Ev:
-        Vg = np.empty(Bk * Evld, q.dtype)
+        Vg = np.empty(Bk * Evld, acc.dtype)
         gather_v(a, b, hk, j0, n, vf, Vg)
         pv_nonfinite(Pb, R, n, Vg, 0, Ev, Evld, Vs, acc, ab)
     else:
         pv_nonfinite(Pb, R, n, vf, voff, Ev, Evld, Vs, acc, ab)
 
 
-def _decode_block_kv(a, b, hk, j0, n, qo, kf, koff, ldk, vf, voff, ldv, paged, Qs, Qt, SbT,
-                     Sb, Pb, acc, m, lsum, ab, Kc, Vc):  # pragma: no cover
+def _block_pv(a, b, hk, j0, n, vf, voff, ldv, paged, fast, Pb, acc, R, ab,
+              Vc):  # pragma: no cover - replaced by the overload
     raise NotImplementedError
 
 
-@overload(_decode_block_kv, inline="always")
-def _decode_block_kv_ol(a, b, hk, j0, n, qo, kf, koff, ldk, vf, voff, ldv, paged, Qs, Qt,
-                        SbT, Sb, Pb, acc, m, lsum, ab, Kc, Vc):
-    """_decode_block on the cache as stored (float32/float64), or, for a float16, bfloat16 or
-    int8 cache (k/v of uint16 or int8), on the block converted into the float32 tiles Kc / Vc
-    (_kvconv.py), resolved at compile time."""
-    if kf.dtype in (types.float32, types.float64):
-        def impl(a, b, hk, j0, n, qo, kf, koff, ldk, vf, voff, ldv, paged, Qs, Qt, SbT, Sb, Pb,
-                 acc, m, lsum, ab, Kc, Vc):
-            _decode_block(a, b, hk, j0, n, qo, kf, koff, ldk, vf, voff, ldv, paged, Qs, Qt,
-                          SbT, Sb, Pb, acc, m, lsum, ab)
+@overload(_block_pv, inline="always")
+def _block_pv_ol(a, b, hk, j0, n, vf, voff, ldv, paged, fast, Pb, acc, R, ab, Vc):
+    """_block_pv_stored on a float32/float64 cache; on a low-precision one, with no exact path
+    needed (fast), LOWP_SUB_KEYS values at a time converted into Vc and multiplied from there
+    (each output element is one FMA chain over the keys in order, continued from acc: the bits
+    of the block taken whole); else the block's values converted whole into Vc and
+    _block_pv_stored on them."""
+    if vf.dtype in (types.float32, types.float64):
+        def impl(a, b, hk, j0, n, vf, voff, ldv, paged, fast, Pb, acc, R, ab, Vc):
+            _block_pv_stored(a, b, hk, j0, n, vf, voff, ldv, paged, fast, Pb, acc, R, ab)
     else:
-        def impl(a, b, hk, j0, n, qo, kf, koff, ldk, vf, voff, ldv, paged, Qs, Qt, SbT, Sb, Pb,
-                 acc, m, lsum, ab, Kc, Vc):
-            convert_rows(a, b, hk, j0, n, kf, a.k_scale, Kc, False)
-            convert_rows(a, b, hk, j0, n, vf, a.v_scale, Vc, True)
-            E = a.q.shape[3]
-            _decode_block(a, b, hk, j0, n, qo, Kc, 0, E, Vc, 0, a.Ev, False, Qs, Qt, SbT, Sb,
-                          Pb, acc, m, lsum, ab)
+        def impl(a, b, hk, j0, n, vf, voff, ldv, paged, fast, Pb, acc, R, ab, Vc):
+            Ev = a.Ev
+            if fast:
+                s0 = 0
+                while s0 < n:
+                    ns = min(LOWP_SUB_KEYS, n - s0)
+                    convert_rows(a, b, hk, j0 + s0, ns, vf, a.v_scale, Vc, True)
+                    _dec_pv(acc, max(Ev, 1), Pb, Pb.shape[1], s0, Vc, 0, Ev, Ev, ns, R, ab)
+                    s0 += ns
+            else:
+                convert_rows(a, b, hk, j0, n, vf, a.v_scale, Vc, True)
+                _block_pv_stored(a, b, hk, j0, n, Vc, 0, Ev, False, fast, Pb, acc, R, ab)
     return impl
+
+
+@njit(fastmath=FM, nogil=True, inline='always')
+def _decode_block(a, b, hk, j0, n, qo, kf, koff, ldk, vf, voff, ldv, paged, Qs, Qt, SbT, Sb,
+                  Pb, acc, m, lsum, ab, Kc, Vc):
+    """Keys j0 .. j0+n-1 of kv head (b, hk) for the R query rows of its group (Qs; Qt the same
+    transposed; query row i of sequence b at key position i + qo): the online-softmax update
+    of m, lsum and acc. The keys are read where they are (_block_qk, _block_pv): rows ldk
+    (values ldv) apart from kf[koff] / vf[voff], or, when `paged`, run by run of one page, so
+    the block's sums are those of the same block stored contiguously; a float16, bfloat16 or
+    int8 cache is converted a few keys at a time into the float32 tiles Kc / Vc."""
+    q = a.q
+    B, Hq, L, E = q.shape
+    g = Hq // a.Hkv
+    R = g * L
+    Eld = max(E, 1)
+    # mask status over the whole group tile (all heads, all rows)
+    mstat = group_block_status(a, b, hk * g, g, L, j0, n)
+    if mstat == 0:
+        return
+    _block_qk(a, b, hk, n, kf, koff, ldk, paged, Sb, Qs, Qt, SbT, R, E, Eld, j0, ab, Kc)
+    to_nat, c_exp, kappa = score_units(a)
+    # every head's rows sit at the same positions: one band status for the tile
+    partial = band_partial(a, j0, n, qo, L - 1 + qo)
+    if needs_rows(a, partial, mstat):
+        for hh in range(g):
+            # rows hh*L .. hh*L+L-1 belong to query head h
+            h = hk * g + hh
+            tile_scores(Sb, hh * L, hh * L + L, n, j0, qo, a, alibi_slope(a, b, h),
+                        mask_base(a, b, h, 0, j0), mstat, Sb, False)
+    tile_online(Sb, Pb, 0, R, n, m, lsum, acc, a.Ev, c_exp)
+    do_drop = a.dropout_p > 0.0
+    if do_drop:
+        thresh = dropout_threshold_nb(a.dropout_p)
+        for hh in range(g):
+            tile_dropout(Pb, hh * L, hh * L + L, n, a.seed, dropout_bh(a, b, hk * g + hh),
+                         a.dropout_row0, a.dropout_col0 + j0, thresh)
+    fast = mstat == 1 and not partial and not do_drop
+    _block_pv(a, b, hk, j0, n, vf, voff, ldv, paged, fast, Pb, acc, R, ab, Vc)
 
 
 @njit(cache=True, fastmath=FM, nogil=True)
@@ -239,7 +292,7 @@ def _decode_item(it, a, plan, pm, pl, pacc):
     ab[1] = fcast(q, 0.0)
     # a low-precision cache: the block's keys/values converted (_decode_block_kv)
     low = a.kv_kind != 0
-    Kc = np.empty(Bk * Eld if low else 1, q.dtype)
+    Kc = np.empty(min(Bk, LOWP_SUB_KEYS) * Eld if low else 1, q.dtype)
     Vc = np.empty(Bk * Evld if low else 1, q.dtype)
 
     # union of the rows' bands, clipped to this chunk and to the sequence's keys
@@ -250,7 +303,7 @@ def _decode_item(it, a, plan, pm, pl, pacc):
     j0 = jlo
     while j0 <= jhi:
         n = min(Bk, jhi + 1 - j0)
-        _decode_block_kv(a, b, hk, j0, n, qo, kf, b * a.ksB + j0 * a.ksS + hk * a.ksH,
+        _decode_block(a, b, hk, j0, n, qo, kf, b * a.ksB + j0 * a.ksS + hk * a.ksH,
                          a.ksS, vf, b * a.vsB + j0 * a.vsS + hk * a.vsH, a.vsS, paged, Qs, Qt,
                          SbT, Sb, Pb, acc, m, lsum, ab, Kc, Vc)
         j0 += n
@@ -313,14 +366,14 @@ def _decode_heads_item(it, a, plan, pm, pl, pacc):
     ab[0] = fcast(q, 1.0)
     ab[1] = fcast(q, 0.0)
     low = a.kv_kind != 0
-    Kc = np.empty(Bk * Eld if low else 1, q.dtype)
+    Kc = np.empty(min(Bk, LOWP_SUB_KEYS) * Eld if low else 1, q.dtype)
     Vc = np.empty(Bk * Evld if low else 1, q.dtype)
     j0 = jlo
     paged = a.has_block_table
     while j0 <= jhi:
         n = min(Bk, jhi + 1 - j0)
         for hk in range(Hkv):
-            _decode_block_kv(a, b, hk, j0, n, qo, kf, b * a.ksB + j0 * a.ksS + hk * a.ksH,
+            _decode_block(a, b, hk, j0, n, qo, kf, b * a.ksB + j0 * a.ksS + hk * a.ksH,
                              a.ksS, vf, b * a.vsB + j0 * a.vsS + hk * a.vsH, a.vsS, paged,
                              Qs[hk], Qt[hk], SbT, Sb, Pb, acc[hk], m[hk], lsum[hk], ab, Kc, Vc)
         j0 += n
@@ -461,9 +514,8 @@ def decode(args, out, lse):
     heads = bool(HEADS_TOGETHER and Hkv >= 2 and args.k_strides[1] < args.k_strides[2]
                  and args.v_strides[1] < args.v_strides[2])
     if heads and not args.tuning.decode_block_k:
-        if args.kv_kind:          # a low-precision cache: its block converted a head at a time
-            Bk = HEADS_BLOCK_KEYS * max(1, HEADS_LOWP_TILE_BYTES // (
-                (E + args.v.shape[3]) * q.itemsize * HEADS_BLOCK_KEYS))
+        if args.kv_kind:          # a low-precision cache
+            Bk = HEADS_LOWP_BLOCK_KEYS
         else:
             Bk = HEADS_BLOCK_KEYS * max(1, HEADS_BLOCK_BYTES // (
                 Hkv * (E + args.v.shape[3]) * q.itemsize * HEADS_BLOCK_KEYS))
@@ -493,13 +545,12 @@ HEADS_BLOCK_BYTES = 512 << 10
 # lengths 512..16384, flash layout, 2 threads, interleaved, load ~6): 48 keys 1.51x cython's
 # time, 64 keys (60 + a 4-key tail) 2.07x.
 HEADS_BLOCK_KEYS = 48
-# ... and over a float16/bfloat16/int8 cache, blocks whose converted float32 K and V tiles of
-# one kv head fill this much (240 keys at d = 128): each block of each head pays a fixed cost
-# (conversion set-up, mask status, the softmax pass's set-up) that 48-key blocks did not
-# amortize. B4 32/8 d128 16384 keys, Zen 4, 2 threads, medians of 7 interleaved rounds in one
-# process, keys per block 48 / 96 / 240 / 384 / 768: int8 21.5 / 19.2 / 18.0 / 17.7 / 17.4 ms,
-# float16 27.5 / 26.0 / 24.7 / 23.2 / 22.6 (float32, unchanged at 48: 22.5 / 23.1 / 22.2 /
-# 22.3 / 22.8). Half a 512 KiB L2, so the tiles stay in L2 on the smaller-L2 boxes too.
-HEADS_LOWP_TILE_BYTES = 256 << 10
+# ... and over a float16/bfloat16/int8 cache, longer blocks: each block of each kv head pays a
+# fixed cost (mask status, the softmax pass's set-up, the conversion's start) that 48-key
+# blocks did not amortize, and the conversion goes LOWP_SUB_KEYS keys at a time whatever the
+# block. B4 32/8 d128 16384 keys, Zen 4, 2 threads, medians of 7 interleaved rounds in one
+# process, keys per block 48 / 240 / 480 / 960: int8 19.1 / 16.3 / 16.2 / 15.7 ms, float16
+# 26.7 / 21.5 / 20.3 / 18.8 (float32, left at 48: 25.5 / 26.1 / 25.4 / 27.7).
+HEADS_LOWP_BLOCK_KEYS = 960
 HEADS_ITEMS_PER_THREAD = 32
 HEADS_MIN_CHUNK = 1024
