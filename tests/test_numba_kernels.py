@@ -188,6 +188,39 @@ def test_decode_dot_scores_exact_enough(E):
     assert np.sqrt((rel ** 2).mean()) < bound
 
 
+_ROWS_DRIVERS = {}
+
+
+@pytest.mark.parametrize("W", [16, 8])
+@pytest.mark.parametrize("R", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("E", [1, 7, 33, 64, 128])
+def test_decode_rows_scores_exact_and_same_bits_anywhere(W, R, E):
+    """GQA decode's scores of 2-8 query rows (_dec_rows.py), with AVX-512's 16 lanes and AVX2's
+    8 (both built here whatever the CPU): the panel kernel's accuracy bound, nothing written
+    outside the block's columns, and each score's bits the same whether its key is scored in
+    a group, alone, or at another offset (a paged cache's runs, a block's tail)."""
+    from fastattn._numba import _dec_rows
+    if (R, W) not in _ROWS_DRIVERS:
+        _ROWS_DRIVERS[R, W] = _dec_rows._make_rows_driver(R, W, 16 if W == 16 else 8)
+    drive = _ROWS_DRIVERS[R, W]
+    rng = np.random.default_rng(R * 1000 + E)
+    n, ldk, ldq = 203, E + 5, E + 3      # 203 keys, as the one-row test above
+    kf = rng.standard_normal(2 + n * ldk).astype(np.float32)
+    q = rng.standard_normal((R, ldq)).astype(np.float32)
+    Sb = np.full((R, n + 7), 7.0, np.float32)
+    drive(Sb.reshape(-1), 3, n + 7, kf, 2, ldk, q.reshape(-1), ldq, E, n)
+    assert np.all(Sb[:, :3] == 7.0) and np.all(Sb[:, 3 + n:] == 7.0)
+    K = np.stack([kf[2 + j * ldk:2 + j * ldk + E] for j in range(n)]).astype(np.float64)
+    qd = q[:, :E].astype(np.float64)
+    rel = (Sb[:, 3:3 + n] - qd @ K.T) / (np.abs(qd) @ np.abs(K.T))
+    bound = 3.2e-8 if E <= 16 else 2.4e-8 if E < 64 else 2.0e-8
+    assert np.sqrt((rel ** 2).mean()) < bound
+    one = np.full((R, n), 7.0, np.float32)
+    for j in range(n):                    # each key alone, from its own offset
+        drive(one.reshape(-1), j, n, kf, 2 + j * ldk, ldk, q.reshape(-1), ldq, E, 1)
+    np.testing.assert_array_equal(one, Sb[:, 3:3 + n])
+
+
 # ----------------------------------------------------------------------------------------------
 # the forward and backward kernels with tiny blocks and key chunks: the multi-block paths
 # (online rescaling, band edges inside blocks, skipped blocks, chunk partials) at test sizes

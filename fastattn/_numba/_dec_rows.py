@@ -32,15 +32,15 @@ PF_KEYS = 16
 PF_LOCALITY = 2
 
 
-def keys_per_group(R):
+def keys_per_group(R, acc_regs=ACC_REGS):
     """Keys scored together for R rows: as many as keep R x KQ accumulators in registers."""
     kq = 1
-    while 2 * kq * R <= ACC_REGS:
+    while 2 * kq * R <= acc_regs:
         kq *= 2
     return kq
 
 
-def _reduce_tree(builder, vals, ids):
+def _reduce_tree(builder, vals, ids, W=W):
     """vals: vectors of W lane partials, one accumulator each (ids[i] names vals[i]) ->
     one or more vectors whose lanes hold whole sums, and each lane's id (None: padding).
     Each level pairs two vectors holding G groups of P partials and makes one of 2G groups of
@@ -75,9 +75,10 @@ def _reduce_tree(builder, vals, ids):
     return vals, groups
 
 
-def _make_rows_kernel(R, KQ):
+def _make_rows_kernel(R, KQ, W=W):
     """The intrinsic scoring R query rows against KQ keys:
-    sb[sb_off + r*ldsb + j] = sum_e q[q_off + r*ldq + e] * k[k_off + j*ldk + e]."""
+    sb[sb_off + r*ldsb + j] = sum_e q[q_off + r*ldq + e] * k[k_off + j*ldk + e],
+    with vectors of W lanes (the tests build AVX2's 8 on an AVX-512 machine too)."""
     @intrinsic
     def rows_kernel(typingctx, sb, sb_off, ldsb, kf, k_off, ldk, qf, q_off, ldq, E):
         for arr in (sb, kf, qf):
@@ -160,7 +161,8 @@ def _make_rows_kernel(R, KQ):
                 step(e_tail, builder.icmp_signed('<', lanes, restv))
 
             ids = [(r, j) for r in range(R) for j in range(KQ)]
-            vals, groups = _reduce_tree(builder, [builder.load(accs[r][j]) for r, j in ids], ids)
+            vals, groups = _reduce_tree(builder, [builder.load(accs[r][j]) for r, j in ids], ids,
+                                        W)
             sbase = builder.gep(sdat, [sb_off_])
             for v, g in zip(vals, groups):
                 for lane, rj in enumerate(g):
@@ -175,10 +177,12 @@ def _make_rows_kernel(R, KQ):
     return rows_kernel
 
 
-def _make_rows_driver(R):
-    KQ = keys_per_group(R)
-    group = _make_rows_kernel(R, KQ)
-    one = _make_rows_kernel(R, 1)
+def _make_rows_driver(R, W=W, acc_regs=ACC_REGS):
+    """njit drive(sbf, s_off, ldsb, kf, koff, ldk, qf, ldq, E, n): the R rows' scores against n
+    keys, KQ at a time and the last n % KQ one by one."""
+    KQ = keys_per_group(R, acc_regs)
+    group = _make_rows_kernel(R, KQ, W)
+    one = _make_rows_kernel(R, 1, W)
 
     @njit
     def drive(sbf, s_off, ldsb, kf, koff, ldk, qf, ldq, E, n):
