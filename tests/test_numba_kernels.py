@@ -191,6 +191,14 @@ def test_decode_dot_scores_exact_enough(E):
 _ROWS_DRIVERS = {}
 
 
+def _rows_driver(R, W, kind="f32"):
+    from fastattn._numba import _dec_rows
+    if (R, W, kind) not in _ROWS_DRIVERS:
+        _ROWS_DRIVERS[R, W, kind] = _dec_rows._make_rows_driver(R, W, 16 if W == 16 else 8,
+                                                                kind)
+    return _ROWS_DRIVERS[R, W, kind]
+
+
 @pytest.mark.parametrize("W", [16, 8])
 @pytest.mark.parametrize("R", [2, 3, 4, 5, 8])
 @pytest.mark.parametrize("E", [1, 7, 33, 64, 128])
@@ -199,16 +207,13 @@ def test_decode_rows_scores_exact_and_same_bits_anywhere(W, R, E):
     8 (both built here whatever the CPU): the panel kernel's accuracy bound, nothing written
     outside the block's columns, and each score's bits the same whether its key is scored in
     a group, alone, or at another offset (a paged cache's runs, a block's tail)."""
-    from fastattn._numba import _dec_rows
-    if (R, W) not in _ROWS_DRIVERS:
-        _ROWS_DRIVERS[R, W] = _dec_rows._make_rows_driver(R, W, 16 if W == 16 else 8)
-    drive = _ROWS_DRIVERS[R, W]
+    drive = _rows_driver(R, W)
     rng = np.random.default_rng(R * 1000 + E)
     n, ldk, ldq = 203, E + 5, E + 3      # 203 keys, as the one-row test above
     kf = rng.standard_normal(2 + n * ldk).astype(np.float32)
     q = rng.standard_normal((R, ldq)).astype(np.float32)
     Sb = np.full((R, n + 7), 7.0, np.float32)
-    drive(Sb.reshape(-1), 3, n + 7, kf, 2, ldk, q.reshape(-1), ldq, E, n)
+    drive(Sb.reshape(-1), 3, n + 7, kf, 2, ldk, q.reshape(-1), ldq, E, n, kf)
     assert np.all(Sb[:, :3] == 7.0) and np.all(Sb[:, 3 + n:] == 7.0)
     K = np.stack([kf[2 + j * ldk:2 + j * ldk + E] for j in range(n)]).astype(np.float64)
     qd = q[:, :E].astype(np.float64)
@@ -217,8 +222,43 @@ def test_decode_rows_scores_exact_and_same_bits_anywhere(W, R, E):
     assert np.sqrt((rel ** 2).mean()) < bound
     one = np.full((R, n), 7.0, np.float32)
     for j in range(n):                    # each key alone, from its own offset
-        drive(one.reshape(-1), j, n, kf, 2 + j * ldk, ldk, q.reshape(-1), ldq, E, 1)
+        drive(one.reshape(-1), j, n, kf, 2 + j * ldk, ldk, q.reshape(-1), ldq, E, 1, kf)
     np.testing.assert_array_equal(one, Sb[:, 3:3 + n])
+
+
+@pytest.mark.parametrize("W", [16, 8])
+@pytest.mark.parametrize("kind", ["f16", "bf16", "i8"])
+@pytest.mark.parametrize("R,E", [(4, 128), (3, 33), (8, 7)])
+def test_decode_rows_scores_of_a_low_precision_cache(W, kind, R, E):
+    """The same kernel reading a float16 / bfloat16 / int8 cache in place, converting each
+    vector as it loads it: bit for bit the scores of the float32 kernel on the converted keys
+    (NumPy's conversion; int8: float32(code) * the key's scale)."""
+    from fastattn._numba._intrinsics import HAVE_F16C
+    if kind == "f16" and not HAVE_F16C:
+        pytest.skip("numba reads float16 in place only where the CPU has F16C")
+    rng = np.random.default_rng(E)
+    n, ldk, ldq = 61, E + 9, E
+    x = rng.standard_normal(2 + n * ldk).astype(np.float32)
+    scales = (rng.random(n) + 0.01).astype(np.float32)
+    if kind == "f16":
+        stored = x.astype(np.float16).view(np.uint16)
+        values = x.astype(np.float16).astype(np.float32)
+    elif kind == "bf16":
+        stored = (x.view(np.uint32) >> 16).astype(np.uint16)
+        values = (stored.astype(np.uint32) << 16).view(np.float32)
+    else:
+        stored = rng.integers(-127, 128, x.size).astype(np.int8)
+        values = np.zeros_like(x)
+        for j in range(n):
+            row = slice(2 + j * ldk, 2 + j * ldk + E)
+            values[row] = stored[row].astype(np.float32) * scales[j]
+    q = rng.standard_normal((R, ldq)).astype(np.float32)
+    got = np.full((R, n), 7.0, np.float32)
+    want = np.full((R, n), 7.0, np.float32)
+    _rows_driver(R, W, kind)(got.reshape(-1), 0, n, stored, 2, ldk, q.reshape(-1), ldq, E, n,
+                             scales)
+    _rows_driver(R, W)(want.reshape(-1), 0, n, values, 2, ldk, q.reshape(-1), ldq, E, n, values)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,9 +19,9 @@ large logits (see _gemm.QK_KB).
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
-from ._intrinsics import HAVE_AVX512
+from ._intrinsics import HAVE_AVX512, HAVE_F16C
 
 W = 16 if HAVE_AVX512 else 8          # float32 lanes per vector register
 ACC_REGS = 16 if HAVE_AVX512 else 8   # accumulators a group keeps in registers (32 / 16 regs)
@@ -75,16 +75,26 @@ def _reduce_tree(builder, vals, ids, W=W):
     return vals, groups
 
 
-def _make_rows_kernel(R, KQ, W=W):
+# the stored key element of each kind: float32, or a low-precision cache's (_kvconv.py)
+_KIND_DTYPE = {'f32': types.float32, 'f16': types.uint16, 'bf16': types.uint16,
+               'i8': types.int8}
+
+
+def _make_rows_kernel(R, KQ, W=W, kind='f32'):
     """The intrinsic scoring R query rows against KQ keys:
-    sb[sb_off + r*ldsb + j] = sum_e q[q_off + r*ldq + e] * k[k_off + j*ldk + e],
-    with vectors of W lanes (the tests build AVX2's 8 on an AVX-512 machine too)."""
+    sb[sb_off + r*ldsb + j] = sum_e q[q_off + r*ldq + e] * key(k_off + j*ldk + e),
+    with vectors of W lanes (the tests build AVX2's 8 on an AVX-512 machine too). key() is
+    the stored float32, or a low-precision cache's value converted in the registers as each
+    vector is loaded, the conversions of _intrinsics._make_row_converter ('f16': fpext, 'bf16':
+    the top half of a float32, 'i8': float32(code) * scf[sc_off + j], the key's scale)."""
     @intrinsic
-    def rows_kernel(typingctx, sb, sb_off, ldsb, kf, k_off, ldk, qf, q_off, ldq, E):
-        for arr in (sb, kf, qf):
-            if not (isinstance(arr, types.Array) and arr.dtype == types.float32):
+    def rows_kernel(typingctx, sb, sb_off, ldsb, kf, k_off, ldk, qf, q_off, ldq, E, scf,
+                    sc_off):
+        for arr, dt in ((sb, types.float32), (kf, _KIND_DTYPE[kind]), (qf, types.float32),
+                        (scf, types.float32)):
+            if not (isinstance(arr, types.Array) and arr.dtype == dt):
                 return None
-        sig = types.void(sb, sb_off, ldsb, kf, k_off, ldk, qf, q_off, ldq, E)
+        sig = types.void(sb, sb_off, ldsb, kf, k_off, ldk, qf, q_off, ldq, E, scf, sc_off)
 
         def codegen(context, builder, signature, args):
             try:                 # 512-bit vectors stay whole (see _gemm._mk_typer)
@@ -97,11 +107,12 @@ def _make_rows_kernel(R, KQ, W=W):
 
             def iarg(k):
                 return context.cast(builder, args[k], tys[k], types.intp)
-            sb_off_, ldsb_, k_off_, ldk_, q_off_, ldq_, E_ = [
-                iarg(k) for k in (1, 2, 4, 5, 7, 8, 9)]
+            sb_off_, ldsb_, k_off_, ldk_, q_off_, ldq_, E_, sc_off_ = [
+                iarg(k) for k in (1, 2, 4, 5, 7, 8, 9, 11)]
             sdat = context.make_array(tys[0])(context, builder, args[0]).data
             kdat = context.make_array(tys[3])(context, builder, args[3]).data
             qdat = context.make_array(tys[6])(context, builder, args[6]).data
+            cdat = context.make_array(tys[10])(context, builder, args[10]).data
             vty = ir.VectorType(f32, W)
             mty = ir.VectorType(ir.IntType(1), W)
             vptr = vty.as_pointer()
@@ -127,6 +138,44 @@ def _make_rows_kernel(R, KQ, W=W):
             for r in range(R):
                 for j in range(KQ):
                     builder.store(zero, accs[r][j])
+            if kind != 'f32':
+                ie = ir.IntType(8 if kind == 'i8' else 16)
+                iv = ir.VectorType(ie, W)
+                imload = cgutils.get_or_insert_function(
+                    mod, ir.FunctionType(iv, [iv.as_pointer(), i32, mty, iv]),
+                    "llvm.masked.load.v%di%d.p0" % (W, ie.width))
+            if kind == 'i8':        # each key's scale, splat once
+                scv = []
+                for j in range(KQ):
+                    sc = builder.load(builder.gep(cdat, [builder.add(sc_off_,
+                                                                     ir.Constant(i64, j))]))
+                    u = builder.insert_element(ir.Constant(vty, ir.Undefined), sc,
+                                               ir.Constant(i32, 0))
+                    scv.append(builder.shuffle_vector(u, ir.Constant(vty, ir.Undefined),
+                                                      ir.Constant(ir.VectorType(i32, W),
+                                                                  [0] * W)))
+
+            def kload(j, e0, mask):
+                """Key j's elements e0 .. e0+W-1 as float32 (masked: the rest 0)."""
+                p = builder.gep(krow[j], [e0])
+                if kind == 'f32':
+                    p = builder.bitcast(p, vptr)
+                    if mask is None:
+                        return builder.load(p, align=4)
+                    return builder.call(mload, [p, align, mask, zero])
+                p = builder.bitcast(p, iv.as_pointer())
+                if mask is None:
+                    x = builder.load(p, align=1)
+                else:
+                    x = builder.call(imload, [p, ir.Constant(i32, 1), mask,
+                                              ir.Constant(iv, [0] * W)])
+                if kind == 'f16':
+                    return builder.fpext(builder.bitcast(x, ir.VectorType(ir.HalfType(), W)), vty)
+                if kind == 'bf16':
+                    wide = builder.shl(builder.zext(x, ir.VectorType(i32, W)),
+                                       ir.Constant(ir.VectorType(i32, W), [16] * W))
+                    return builder.bitcast(wide, vty)
+                return builder.fmul(builder.sitofp(x, vty), scv[j])
 
             def step(e0, mask):
                 def load(base):
@@ -139,7 +188,7 @@ def _make_rows_kernel(R, KQ, W=W):
                                                       ir.IntType(8).as_pointer()),
                                       ir.Constant(i32, 0), ir.Constant(i32, PF_LOCALITY),
                                       ir.Constant(i32, 1)])
-                kv = [load(krow[j]) for j in range(KQ)]
+                kv = [kload(j, e0, mask) for j in range(KQ)]
                 for r in range(R):
                     qv = load(qrow[r])
                     for j in range(KQ):
@@ -177,46 +226,74 @@ def _make_rows_kernel(R, KQ, W=W):
     return rows_kernel
 
 
-def _make_rows_driver(R, W=W, acc_regs=ACC_REGS):
-    """njit drive(sbf, s_off, ldsb, kf, koff, ldk, qf, ldq, E, n): the R rows' scores against n
-    keys, KQ at a time and the last n % KQ one by one."""
+def _make_rows_driver(R, W=W, acc_regs=ACC_REGS, kind='f32'):
+    """njit drive(sbf, s_off, ldsb, kf, koff, ldk, qf, ldq, E, n, scf): the R rows' scores
+    against n keys, KQ at a time and the last n % KQ one by one (scf: the keys' scales, for
+    'i8'; any float32 array otherwise)."""
     KQ = keys_per_group(R, acc_regs)
-    group = _make_rows_kernel(R, KQ, W)
-    one = _make_rows_kernel(R, 1, W)
+    group = _make_rows_kernel(R, KQ, W, kind)
+    one = _make_rows_kernel(R, 1, W, kind)
 
     @njit
-    def drive(sbf, s_off, ldsb, kf, koff, ldk, qf, ldq, E, n):
+    def drive(sbf, s_off, ldsb, kf, koff, ldk, qf, ldq, E, n, scf):
         full = n - n % KQ
         for j in range(0, full, KQ):
-            group(sbf, s_off + j, ldsb, kf, koff + j * ldk, ldk, qf, 0, ldq, E)
+            group(sbf, s_off + j, ldsb, kf, koff + j * ldk, ldk, qf, 0, ldq, E, scf, j)
         for j in range(full, n):
-            one(sbf, s_off + j, ldsb, kf, koff + j * ldk, ldk, qf, 0, ldq, E)
+            one(sbf, s_off + j, ldsb, kf, koff + j * ldk, ldk, qf, 0, ldq, E, scf, j)
     return drive
 
 
-# R = 2..8 on every CPU (the dispatch below names them all); the caller uses R <= ROWS_MAX
-_d2, _d3, _d4, _d5, _d6, _d7, _d8 = [_make_rows_driver(R) for R in range(2, 9)]
+def _make_dispatch(kind):
+    """njit dispatch(sbf, s_off, ldsb, kf, koff, ldk, qf, ldq, E, n, scf, R) -> the driver of
+    R rows (2..8: each R is its own compiled kernel, so the branches are written out)."""
+    env = {"njit": njit}
+    lines = ["def dispatch(sbf, s_off, ldsb, kf, koff, ldk, qf, ldq, E, n, scf, R):"]
+    for R in range(2, 9):
+        env["drive%d" % R] = _make_rows_driver(R, kind=kind)
+        lines.append("    %s R == %d:" % ("if" if R == 2 else "elif", R))
+        lines.append("        drive%d(sbf, s_off, ldsb, kf, koff, ldk, qf, ldq, E, n, scf)" % R)
+    exec("\n".join(lines), env)
+    return njit(env["dispatch"])
+
+
+# float32 keys on every CPU; a low-precision cache's where the conversion is one instruction
+# (float16 needs F16C: without it LLVM's fpext is a libcall the JIT may not resolve)
+_dispatch = {kind: _make_dispatch(kind) for kind in ('f32', 'bf16', 'i8')}
+if HAVE_F16C:
+    _dispatch['f16'] = _make_dispatch('f16')
+_dispatch_f32, _dispatch_bf16, _dispatch_i8 = _dispatch['f32'], _dispatch['bf16'], _dispatch['i8']
+_dispatch_f16 = _dispatch.get('f16', _dispatch['bf16'])    # never called without F16C
 
 
 @njit
 def dec_qk_rows(Sb, c0, kf, koff, ldk, E, n, Qs, R):
-    """Sb[:R, c0:c0+n] = the scores of the R (2 <= R <= ROWS_MAX) query rows Qs against n keys
-    whose rows start at kf[koff] and lie ldk apart."""
+    """Sb[:R, c0:c0+n] = the scores of the R (2 <= R <= ROWS_MAX) query rows Qs against n
+    float32 keys whose rows start at kf[koff] and lie ldk apart."""
     sbf = Sb.reshape(-1)
-    qf = Qs.reshape(-1)
-    ldsb = Sb.shape[1]
-    ldq = Qs.shape[1]
-    if R == 2:
-        _d2(sbf, c0, ldsb, kf, koff, ldk, qf, ldq, E, n)
-    elif R == 3:
-        _d3(sbf, c0, ldsb, kf, koff, ldk, qf, ldq, E, n)
-    elif R == 4:
-        _d4(sbf, c0, ldsb, kf, koff, ldk, qf, ldq, E, n)
-    elif R == 5:
-        _d5(sbf, c0, ldsb, kf, koff, ldk, qf, ldq, E, n)
-    elif R == 6:
-        _d6(sbf, c0, ldsb, kf, koff, ldk, qf, ldq, E, n)
-    elif R == 7:
-        _d7(sbf, c0, ldsb, kf, koff, ldk, qf, ldq, E, n)
-    elif R == 8:
-        _d8(sbf, c0, ldsb, kf, koff, ldk, qf, ldq, E, n)
+    _dispatch_f32(sbf, c0, Sb.shape[1], kf, koff, ldk, Qs.reshape(-1), Qs.shape[1], E, n, sbf, R)
+
+
+def dec_qk_rows_stored(Sb, c0, kf, koff, ldk, E, n, Qs, R, scf, kind):  # pragma: no cover
+    raise NotImplementedError
+
+
+@overload(dec_qk_rows_stored, inline="always")
+def _dec_qk_rows_stored_ol(Sb, c0, kf, koff, ldk, E, n, Qs, R, scf, kind):
+    """dec_qk_rows on n keys of a low-precision cache read where they are (kf: its flat int8 or
+    uint16 view; kind: the record's kv_kind, 1 float16, 2 bfloat16, 3 int8; scf[0:n]: the
+    keys' scales for int8), each vector converted as it is loaded. float16 only where
+    HAVE_F16C (the caller converts into a tile otherwise)."""
+    if kf.dtype == types.int8:
+        def impl(Sb, c0, kf, koff, ldk, E, n, Qs, R, scf, kind):
+            _dispatch_i8(Sb.reshape(-1), c0, Sb.shape[1], kf, koff, ldk, Qs.reshape(-1),
+                         Qs.shape[1], E, n, scf, R)
+    else:
+        def impl(Sb, c0, kf, koff, ldk, E, n, Qs, R, scf, kind):
+            if kind == 2:
+                _dispatch_bf16(Sb.reshape(-1), c0, Sb.shape[1], kf, koff, ldk, Qs.reshape(-1),
+                               Qs.shape[1], E, n, scf, R)
+            else:
+                _dispatch_f16(Sb.reshape(-1), c0, Sb.shape[1], kf, koff, ldk, Qs.reshape(-1),
+                              Qs.shape[1], E, n, scf, R)
+    return impl

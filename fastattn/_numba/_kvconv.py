@@ -57,6 +57,15 @@ def _f16_row(xs, ds, du):
                 ds[t] = -v if (h & np.uint32(0x8000)) else v
 
 
+@njit(nogil=True, inline="always")
+def key_scale(a, b, hk, j, scales):
+    """The int8 scale of key j of kv head (b, hk): scales (k_scale / v_scale) by sequence, or,
+    paged, by the page holding the key."""
+    if a.has_block_table:
+        return scales[a.block_table[b, j // a.page_size], hk, j % a.page_size]
+    return scales[b, hk, j]
+
+
 def _convert_row(kind, xf, src, dst, d, width, sc):  # pragma: no cover - see the overload
     raise NotImplementedError
 
@@ -103,12 +112,6 @@ def convert_rows(a, b, hk, j0, n, xf, scales, dst, values):
             while t < width:        # range(0, width, line) divided for its trip count each row
                 prefetch_l2(xf, ahead + t)
                 t += line
-            sc = np.float32(0.0)
-            if kind == 3:
-                jj = j + r
-                if a.has_block_table:
-                    sc = scales[a.block_table[b, jj // a.page_size], hk, jj % a.page_size]
-                else:
-                    sc = scales[b, hk, jj]
+            sc = key_scale(a, b, hk, j + r, scales) if kind == 3 else np.float32(0.0)
             _convert_row(kind, xf, src, dst, (s0 + r) * width, width, sc)
         s0 += ns

@@ -23,16 +23,16 @@ from numba.extending import overload
 from ._blas import blas_single_thread, gemm_nn, gemm_nt, numba_threads, prime_blas
 from ._exp import exp2v
 from ._hash import dropout_bh, dropout_threshold_nb
-from ._intrinsics import FM, atomic_next, fcast, fmax_nan, wide_vectors
+from ._intrinsics import FM, HAVE_F16C, atomic_next, fcast, fmax_nan, wide_vectors
 from ._kv import gather_v, kv_run, rows_all_finite, seq_keys, seq_q_offset
-from ._kvconv import convert_rows
+from ._kvconv import convert_rows, key_scale
 from ._record import numba_args, positive
 from ._scores import (
     alibi_slope, band_partial, group_block_status, mask_base, needs_rows, score_units,
     sink_logit, tile_scores)
 from ._tiles import block_all_finite, pv_nonfinite, sink_row, tile_dropout, tile_online
 from ._gemm import MR, dec_qk, dec_qk_dot, gemm_pv_stream, gemm_pv_stream4, gemm_pv_stream_row
-from ._dec_rows import ROWS_MAX, dec_qk_rows
+from ._dec_rows import ROWS_MAX, dec_qk_rows, dec_qk_rows_stored
 
 
 # float32 -> the register-blocked kernels (_gemm.py), float64 -> BLAS,
@@ -118,8 +118,10 @@ def _block_qk(a, b, hk, n, kf, koff, ldk, paged, Sb, Qs, Qt, SbT, R, E, Eld, j0,
 @overload(_block_qk, inline="always")
 def _block_qk_ol(a, b, hk, n, kf, koff, ldk, paged, Sb, Qs, Qt, SbT, R, E, Eld, j0, ab, Kc):
     """_block_qk_stored on a float32/float64 cache; on a float16, bfloat16 or int8 one (k of
-    uint16 or int8), LOWP_SUB_KEYS keys at a time converted into the float32 tile Kc
-    (_kvconv.py) and scored from there (each score's bits do not depend on its neighbours)."""
+    uint16 or int8), for 2..ROWS_MAX query rows the keys read in place and converted in the
+    registers of _dec_rows' kernel; for other row counts LOWP_SUB_KEYS keys at a time
+    converted into the float32 tile Kc (_kvconv.py) and scored from there. Either way the
+    same bits (exact conversions; each score's sum in a fixed order)."""
     if kf.dtype in (types.float32, types.float64):
         def impl(a, b, hk, n, kf, koff, ldk, paged, Sb, Qs, Qt, SbT, R, E, Eld, j0, ab, Kc):
             _block_qk_stored(a, b, hk, n, kf, koff, ldk, paged, Sb, Qs, Qt, SbT, R, E, Eld,
@@ -127,7 +129,20 @@ def _block_qk_ol(a, b, hk, n, kf, koff, ldk, paged, Sb, Qs, Qt, SbT, R, E, Eld, 
     else:
         def impl(a, b, hk, n, kf, koff, ldk, paged, Sb, Qs, Qt, SbT, R, E, Eld, j0, ab, Kc):
             Bk = Sb.shape[1]
+            kind = a.kv_kind
             s0 = 0
+            if 2 <= R <= ROWS_MAX and (kind != 1 or HAVE_F16C):
+                # the keys converted in the registers of the rows kernel; Kc holds the scales
+                while s0 < n:
+                    ko, vo, end = kv_run(a, b, j0 + s0)
+                    ns = min(min(n - s0, end - (j0 + s0)), Kc.shape[0])
+                    if kind == 3:
+                        for t in range(ns):
+                            Kc[t] = key_scale(a, b, hk, j0 + s0 + t, a.k_scale)
+                    dec_qk_rows_stored(Sb, s0, kf, ko + hk * a.ksH, a.ksS, E, ns, Qs, R, Kc,
+                                       kind)
+                    s0 += ns
+                return
             while s0 < n:
                 ns = min(LOWP_SUB_KEYS, n - s0)
                 convert_rows(a, b, hk, j0 + s0, ns, kf, a.k_scale, Kc, False)
