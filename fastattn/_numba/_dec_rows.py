@@ -15,6 +15,11 @@ block taken in runs (a paged cache) or keys at a block's tail (the one-key varia
 bits of the same keys scored in groups. The lane-wise blocked sum is also the more accurate
 order (chains of E / W products, then a pairwise tree), which the 2x-naive rule needs for
 large logits (see _gemm.QK_KB).
+
+The same kernels read a float16, bfloat16 or int8 cache in place (kinds 'f16', 'bf16', 'i8'):
+each key vector is converted in the registers as it is loaded (exactly, as _kvconv converts a
+tile), so the scores are the float32 kernel's bits on the converted keys without a second
+pass over the cache's elements.
 """
 from llvmlite import ir
 from numba import njit, types
