@@ -26,7 +26,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ._intrinsics import HAVE_AVX512, HAVE_F16C
+from ._intrinsics import HAVE_AVX512, HAVE_F16C, ir_first_lanes, ir_splat
 
 W = 16 if HAVE_AVX512 else 8          # float32 lanes per vector register
 ACC_REGS = 16 if HAVE_AVX512 else 8   # accumulators a group keeps in registers (32 / 16 regs)
@@ -154,11 +154,7 @@ def _make_rows_kernel(R, KQ, W=W, kind='f32'):
                 for j in range(KQ):
                     sc = builder.load(builder.gep(cdat, [builder.add(sc_off_,
                                                                      ir.Constant(i64, j))]))
-                    u = builder.insert_element(ir.Constant(vty, ir.Undefined), sc,
-                                               ir.Constant(i32, 0))
-                    scv.append(builder.shuffle_vector(u, ir.Constant(vty, ir.Undefined),
-                                                      ir.Constant(ir.VectorType(i32, W),
-                                                                  [0] * W)))
+                    scv.append(ir_splat(builder, sc, W))
 
             def kload(j, e0, mask):
                 """Key j's elements e0 .. e0+W-1 as float32 (masked: the rest 0)."""
@@ -206,13 +202,7 @@ def _make_rows_kernel(R, KQ, W=W, kind='f32'):
                 step(builder.mul(loop.index, wc), None)
             e_tail = builder.mul(nfull, wc)
             with builder.if_then(builder.icmp_signed('<', e_tail, E_)):
-                lanes = ir.Constant(ir.VectorType(i64, W), list(range(W)))
-                rest = builder.sub(E_, e_tail)
-                u = builder.insert_element(ir.Constant(ir.VectorType(i64, W), ir.Undefined),
-                                           rest, ir.Constant(i32, 0))
-                restv = builder.shuffle_vector(u, ir.Constant(ir.VectorType(i64, W), ir.Undefined),
-                                               ir.Constant(ir.VectorType(i32, W), [0] * W))
-                step(e_tail, builder.icmp_signed('<', lanes, restv))
+                step(e_tail, ir_first_lanes(builder, builder.sub(E_, e_tail), W))
 
             ids = [(r, j) for r in range(R) for j in range(KQ)]
             vals, groups = _reduce_tree(builder, [builder.load(accs[r][j]) for r, j in ids], ids,

@@ -224,6 +224,20 @@ def prefetch_l2(typingctx, arr, idx):
 
 
 
+def ir_splat(builder, val, W):
+    """A W-lane vector of the IR scalar val in every lane."""
+    vt = ir.VectorType(val.type, W)
+    u = builder.insert_element(ir.Constant(vt, ir.Undefined), val, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(u, ir.Constant(vt, ir.Undefined),
+                                  ir.Constant(ir.VectorType(ir.IntType(32), W), [0] * W))
+
+
+def ir_first_lanes(builder, rest, W):
+    """The W-lane mask of lanes 0 .. rest-1 (rest: an i64), for a loop's last partial vector."""
+    lanes = ir.Constant(ir.VectorType(ir.IntType(64), W), list(range(W)))
+    return builder.icmp_signed('<', lanes, ir_splat(builder, rest, W))
+
+
 def _make_row_converter(kind):
     """An intrinsic converting n stored cache elements into float32:
     dst[dst_off + t] = value(src[src_off + t]) for t < n, where value is, by kind,
@@ -263,9 +277,7 @@ def _make_row_converter(kind):
             sbase = builder.gep(sdat, [so])
             dbase = builder.gep(ddat, [do])
             if kind == 'i8':
-                u = builder.insert_element(ir.Constant(fv, ir.Undefined), sc, ir.Constant(i32, 0))
-                scv = builder.shuffle_vector(u, ir.Constant(fv, ir.Undefined),
-                                             ir.Constant(ir.VectorType(i32, W), [0] * W))
+                scv = ir_splat(builder, sc, W)
 
             def value(x):
                 if kind == 'f16':
@@ -286,13 +298,7 @@ def _make_row_converter(kind):
                 builder.store(value(builder.load(sp, align=1)), dp, align=4)
             tail = builder.mul(nfull, wc)
             with builder.if_then(builder.icmp_signed('<', tail, n_)):
-                rest = builder.sub(n_, tail)
-                lanes = ir.Constant(ir.VectorType(i64, W), list(range(W)))
-                u = builder.insert_element(ir.Constant(ir.VectorType(i64, W), ir.Undefined), rest,
-                                           ir.Constant(i32, 0))
-                restv = builder.shuffle_vector(u, ir.Constant(ir.VectorType(i64, W), ir.Undefined),
-                                               ir.Constant(ir.VectorType(i32, W), [0] * W))
-                mask = builder.icmp_signed('<', lanes, restv)
+                mask = ir_first_lanes(builder, builder.sub(n_, tail), W)
                 sp, dp = ptrs(tail)
                 x = builder.call(mload, [sp, ir.Constant(i32, 1), mask, ir.Constant(iv, [0] * W)])
                 builder.call(mstore, [value(x), dp, ir.Constant(i32, 4), mask])

@@ -8,7 +8,8 @@ the threads busy, the keys are split into chunks (flash-decoding); each chunk
 leaves (m, l, unnormalized acc) and a final pass merges them by log-sum-exp.
 Threads claim items from an atomic counter. float32 uses the register-
 blocked kernels of _gemm.py for both products (scores of a single query row,
-MHA decode, as dot products: _gemm.dec_qk_dot), float64 uses BLAS.
+MHA decode, as dot products: _gemm.dec_qk_dot; of 2-8 rows, GQA, with the lanes
+along the head dim: _dec_rows.py), float64 uses BLAS.
 
 A KV cache is read in place (_kv.py): each sequence its own keys, paged blocks run by run of
 one page; on the flash layout (kv heads side by side) an item takes every kv head of a
