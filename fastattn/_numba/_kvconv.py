@@ -19,7 +19,7 @@ from ._kv import kv_run
 # converted tile, so without this the cache's rows (a kv head's 1-2 KiB apart) came in at
 # DRAM latency: one thread, B1 32/8 heads d128 8192 keys, int8 17.5-19.8 -> 9.9-11.3 ms,
 # float16 25.7-34.9 -> 19.4-21.8 (interleaved processes, the host busy); 32 rows: no better.
-import os; CONV_PF_ROWS = int(os.environ.get("XPF", "16"))
+CONV_PF_ROWS = 16
 
 
 # float16 -> float32 where the CPU has F16C: LLVM's fpext, vcvtph2ps (_intrinsics.f16_to_f32;
