@@ -232,7 +232,8 @@ def test_decode_rows_scores_exact_and_same_bits_anywhere(W, R, E):
 def test_decode_rows_scores_of_a_low_precision_cache(W, kind, R, E):
     """The same kernel reading a float16 / bfloat16 / int8 cache in place, converting each
     vector as it loads it: bit for bit the scores of the float32 kernel on the converted keys
-    (NumPy's conversion; int8: float32(code) * the key's scale)."""
+    (NumPy's conversion; int8: the float32 kernel on float32(code), times the key's scale, as
+    float32), and a key's bits the same alone or in a group."""
     from fastattn._numba._intrinsics import HAVE_F16C
     if kind == "f16" and not HAVE_F16C:
         pytest.skip("numba reads float16 in place only where the CPU has F16C")
@@ -248,17 +249,21 @@ def test_decode_rows_scores_of_a_low_precision_cache(W, kind, R, E):
         values = (stored.astype(np.uint32) << 16).view(np.float32)
     else:
         stored = rng.integers(-127, 128, x.size).astype(np.int8)
-        values = np.zeros_like(x)
-        for j in range(n):
-            row = slice(2 + j * ldk, 2 + j * ldk + E)
-            values[row] = stored[row].astype(np.float32) * scales[j]
+        values = stored.astype(np.float32)
     q = rng.standard_normal((R, ldq)).astype(np.float32)
     got = np.full((R, n), 7.0, np.float32)
     want = np.full((R, n), 7.0, np.float32)
-    _rows_driver(R, W, kind)(got.reshape(-1), 0, n, stored, 2, ldk, q.reshape(-1), ldq, E, n,
-                             scales)
+    drive = _rows_driver(R, W, kind)
+    drive(got.reshape(-1), 0, n, stored, 2, ldk, q.reshape(-1), ldq, E, n, scales)
     _rows_driver(R, W)(want.reshape(-1), 0, n, values, 2, ldk, q.reshape(-1), ldq, E, n, values)
+    if kind == "i8":
+        want *= scales
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    one = np.full((R, n), 7.0, np.float32)
+    for j in range(n):                    # each key alone, its scale at its own offset
+        drive(one.reshape(-1), j, n, stored, 2 + j * ldk, ldk, q.reshape(-1), ldq, E, 1,
+              scales[j:])
+    np.testing.assert_array_equal(one.view(np.uint32), got.view(np.uint32))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ._intrinsics import HAVE_AVX512, HAVE_F16C, ir_first_lanes, ir_splat
+from ._intrinsics import HAVE_AVX512, HAVE_F16C, KIND_DTYPE, ir_first_lanes, ir_load_stored
 
 W = 16 if HAVE_AVX512 else 8          # float32 lanes per vector register
 ACC_REGS = 16 if HAVE_AVX512 else 8   # accumulators a group keeps in registers (32 / 16 regs)
@@ -81,21 +81,19 @@ def _reduce_tree(builder, vals, ids, W=W):
 
 
 # the stored key element of each kind: float32, or a low-precision cache's (_kvconv.py)
-_KIND_DTYPE = {'f32': types.float32, 'f16': types.uint16, 'bf16': types.uint16,
-               'i8': types.int8}
-
-
 def _make_rows_kernel(R, KQ, W=W, kind='f32'):
     """The intrinsic scoring R query rows against KQ keys:
     sb[sb_off + r*ldsb + j] = sum_e q[q_off + r*ldq + e] * key(k_off + j*ldk + e),
     with vectors of W lanes (the tests build AVX2's 8 on an AVX-512 machine too). key() is
     the stored float32, or a low-precision cache's value converted in the registers as each
-    vector is loaded, the conversions of _intrinsics._make_row_converter ('f16': fpext, 'bf16':
-    the top half of a float32, 'i8': float32(code) * scf[sc_off + j], the key's scale)."""
+    vector is loaded (_intrinsics.ir_load_stored: 'f16' fpext, 'bf16' the top half of a
+    float32); for 'i8' the sum runs over float32(code) and the score is then multiplied by the
+    key's scale scf[sc_off + j] (one multiply a score instead of one an element, as the Cython
+    kernels do)."""
     @intrinsic
     def rows_kernel(typingctx, sb, sb_off, ldsb, kf, k_off, ldk, qf, q_off, ldq, E, scf,
                     sc_off):
-        for arr, dt in ((sb, types.float32), (kf, _KIND_DTYPE[kind]), (qf, types.float32),
+        for arr, dt in ((sb, types.float32), (kf, KIND_DTYPE[kind]), (qf, types.float32),
                         (scf, types.float32)):
             if not (isinstance(arr, types.Array) and arr.dtype == dt):
                 return None
@@ -119,18 +117,13 @@ def _make_rows_kernel(R, KQ, W=W, kind='f32'):
             qdat = context.make_array(tys[6])(context, builder, args[6]).data
             cdat = context.make_array(tys[10])(context, builder, args[10]).data
             vty = ir.VectorType(f32, W)
-            mty = ir.VectorType(ir.IntType(1), W)
-            vptr = vty.as_pointer()
             zero = ir.Constant(vty, [0.0] * W)
             mod = builder.module
-            mload = cgutils.get_or_insert_function(
-                mod, ir.FunctionType(vty, [vptr, i32, mty, vty]), "llvm.masked.load.v%df32.p0" % W)
             fma = cgutils.get_or_insert_function(
                 mod, ir.FunctionType(vty, [vty, vty, vty]), "llvm.fmuladd.v%df32" % W)
             pf = cgutils.get_or_insert_function(
                 mod, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]),
                 "llvm.prefetch.p0")
-            align = ir.Constant(i32, 4)
             kbase = builder.gep(kdat, [k_off_])
             qbase = builder.gep(qdat, [q_off_])
             krow = [builder.gep(kbase, [builder.mul(ldk_, ir.Constant(i64, j))])
@@ -143,63 +136,40 @@ def _make_rows_kernel(R, KQ, W=W, kind='f32'):
             for r in range(R):
                 for j in range(KQ):
                     builder.store(zero, accs[r][j])
-            if kind != 'f32':
-                ie = ir.IntType(8 if kind == 'i8' else 16)
-                iv = ir.VectorType(ie, W)
-                imload = cgutils.get_or_insert_function(
-                    mod, ir.FunctionType(iv, [iv.as_pointer(), i32, mty, iv]),
-                    "llvm.masked.load.v%di%d.p0" % (W, ie.width))
-            if kind == 'i8':        # each key's scale, splat once
-                scv = []
-                for j in range(KQ):
-                    sc = builder.load(builder.gep(cdat, [builder.add(sc_off_,
-                                                                     ir.Constant(i64, j))]))
-                    scv.append(ir_splat(builder, sc, W))
 
             def kload(j, e0, mask):
                 """Key j's elements e0 .. e0+W-1 as float32 (masked: the rest 0)."""
-                p = builder.gep(krow[j], [e0])
-                if kind == 'f32':
-                    p = builder.bitcast(p, vptr)
-                    if mask is None:
-                        return builder.load(p, align=4)
-                    return builder.call(mload, [p, align, mask, zero])
-                p = builder.bitcast(p, iv.as_pointer())
-                if mask is None:
-                    x = builder.load(p, align=1)
-                else:
-                    x = builder.call(imload, [p, ir.Constant(i32, 1), mask,
-                                              ir.Constant(iv, [0] * W)])
-                if kind == 'f16':
-                    return builder.fpext(builder.bitcast(x, ir.VectorType(ir.HalfType(), W)), vty)
-                if kind == 'bf16':
-                    wide = builder.shl(builder.zext(x, ir.VectorType(i32, W)),
-                                       ir.Constant(ir.VectorType(i32, W), [16] * W))
-                    return builder.bitcast(wide, vty)
-                return builder.fmul(builder.sitofp(x, vty), scv[j])
+                return ir_load_stored(builder, builder.gep(krow[j], [e0]), kind, W, mask)
 
-            def step(e0, mask):
-                def load(base):
-                    p = builder.bitcast(builder.gep(base, [e0]), vptr)
-                    if mask is None:
-                        return builder.load(p, align=4)
-                    return builder.call(mload, [p, align, mask, zero])
-                for j in range(KQ):
-                    builder.call(pf, [builder.bitcast(builder.gep(kahead[j], [e0]),
-                                                      ir.IntType(8).as_pointer()),
-                                      ir.Constant(i32, 0), ir.Constant(i32, PF_LOCALITY),
-                                      ir.Constant(i32, 1)])
+            def step(e0, mask, prefetch=True):
+                if prefetch:
+                    for j in range(KQ):
+                        builder.call(pf, [builder.bitcast(builder.gep(kahead[j], [e0]),
+                                                          ir.IntType(8).as_pointer()),
+                                          ir.Constant(i32, 0), ir.Constant(i32, PF_LOCALITY),
+                                          ir.Constant(i32, 1)])
                 kv = [kload(j, e0, mask) for j in range(KQ)]
                 for r in range(R):
-                    qv = load(qrow[r])
+                    qv = ir_load_stored(builder, builder.gep(qrow[r], [e0]), 'f32', W, mask)
                     for j in range(KQ):
                         builder.store(builder.call(fma, [qv, kv[j], builder.load(accs[r][j])]),
                                       accs[r][j])
 
+            # whole cache lines first (a line holds `per_line` vectors of a narrow kind: one
+            # prefetch a line, not one a vector), then the line's worth of vectors left, then
+            # the masked tail
+            per_line = 64 // (W * KIND_DTYPE[kind].bitwidth // 8) or 1
             wc = ir.Constant(i64, W)
+            lc = ir.Constant(i64, W * per_line)
             nfull = builder.sdiv(E_, wc)
-            with cgutils.for_range(builder, nfull) as loop:
-                step(builder.mul(loop.index, wc), None)
+            nlines = builder.sdiv(E_, lc)
+            with cgutils.for_range(builder, nlines) as loop:
+                e_line = builder.mul(loop.index, lc)
+                for u in range(per_line):
+                    step(builder.add(e_line, ir.Constant(i64, u * W)), None, prefetch=u == 0)
+            e_rest = builder.mul(nlines, lc)
+            with cgutils.for_range(builder, builder.sub(nfull, builder.sdiv(e_rest, wc))) as loop:
+                step(builder.add(e_rest, builder.mul(loop.index, wc)), None)
             e_tail = builder.mul(nfull, wc)
             with builder.if_then(builder.icmp_signed('<', e_tail, E_)):
                 step(e_tail, ir_first_lanes(builder, builder.sub(E_, e_tail), W))
@@ -208,14 +178,19 @@ def _make_rows_kernel(R, KQ, W=W, kind='f32'):
             vals, groups = _reduce_tree(builder, [builder.load(accs[r][j]) for r, j in ids], ids,
                                         W)
             sbase = builder.gep(sdat, [sb_off_])
+            if kind == 'i8':        # each key's scale, once a score (the dot was on its codes)
+                scale = [builder.load(builder.gep(cdat, [builder.add(sc_off_, ir.Constant(i64, j))]))
+                         for j in range(KQ)]
             for v, g in zip(vals, groups):
                 for lane, rj in enumerate(g):
                     if rj is None:
                         continue
                     r, j = rj
                     at = builder.add(builder.mul(ldsb_, ir.Constant(i64, r)), ir.Constant(i64, j))
-                    builder.store(builder.extract_element(v, ir.Constant(i32, lane)),
-                                  builder.gep(sbase, [at]))
+                    score = builder.extract_element(v, ir.Constant(i32, lane))
+                    if kind == 'i8':
+                        score = builder.fmul(score, scale[j])
+                    builder.store(score, builder.gep(sbase, [at]))
             return context.get_dummy_value()
         return sig, codegen
     return rows_kernel

@@ -238,18 +238,55 @@ def ir_first_lanes(builder, rest, W):
     return builder.icmp_signed('<', lanes, ir_splat(builder, rest, W))
 
 
+# The element type a cache of each kind is read as: float32, the bits of float16 / bfloat16
+# (uint16 views), int8 codes.
+KIND_DTYPE = {'f32': types.float32, 'f16': types.uint16, 'bf16': types.uint16, 'i8': types.int8}
+
+
+def ir_load_stored(builder, ptr, kind, W, mask=None):
+    """W stored elements from ptr (a pointer to the kind's element type) as a float32 vector,
+    converted in the registers (masked: the lanes off the mask read nothing and are 0):
+      'f32':  as they are;
+      'f16':  the float16 whose bits they hold, by LLVM's fpext half -> float (F16C's vcvtph2ps:
+              exact for every pattern, subnormals included, whatever the MXCSR's denormal
+              flags; a signalling NaN comes out quiet). Only where HAVE_F16C: elsewhere LLVM
+              would lower it to a libcall the JIT may not resolve;
+      'bf16': the bfloat16 whose bits they hold: the top half of a float32;
+      'i8':   float32(code), exact; the caller applies the scale."""
+    i32 = ir.IntType(32)
+    f32v = ir.VectorType(ir.FloatType(), W)
+    mty = ir.VectorType(ir.IntType(1), W)
+    ety = ir.FloatType() if kind == 'f32' else ir.IntType(8 if kind == 'i8' else 16)
+    vty = ir.VectorType(ety, W)
+    p = builder.bitcast(ptr, vty.as_pointer())
+    align = 4 if kind == 'f32' else 1
+    if mask is None:
+        x = builder.load(p, align=align)
+    else:
+        name = "llvm.masked.load.v%d%s.p0" % (W, 'f32' if kind == 'f32' else 'i%d' % ety.width)
+        mload = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vty, [vty.as_pointer(), i32, mty, vty]), name)
+        x = builder.call(mload, [p, ir.Constant(i32, align), mask,
+                                 ir.Constant(vty, [0.0 if kind == 'f32' else 0] * W)])
+    if kind == 'f32':
+        return x
+    if kind == 'f16':
+        return builder.fpext(builder.bitcast(x, ir.VectorType(ir.HalfType(), W)), f32v)
+    if kind == 'bf16':
+        wide = builder.zext(x, ir.VectorType(i32, W))
+        return builder.bitcast(builder.shl(wide, ir.Constant(ir.VectorType(i32, W), [16] * W)),
+                               f32v)
+    return builder.sitofp(x, f32v)
+
+
 def _make_row_converter(kind):
     """An intrinsic converting n stored cache elements into float32:
-    dst[dst_off + t] = value(src[src_off + t]) for t < n, where value is, by kind,
-      'f16':  the float16 whose bits src holds (uint16), by LLVM's fpext half -> float (F16C's
-              vcvtph2ps: exact for every pattern, subnormals included, whatever the MXCSR's
-              denormal flags; a signalling NaN comes out quiet). Only where HAVE_F16C.
-      'bf16': the bfloat16 whose bits src holds (uint16): the top half of a float32.
-      'i8':   float32(code) * scale for int8 codes.
-    Whole vectors of 16, the last partial one through masked loads and stores. Plain IR, no
-    array views: numba's slices cost a reference count (an atomic) each, per cache row."""
+    dst[dst_off + t] = value(src[src_off + t]) for t < n, value as ir_load_stored converts by
+    kind ('f16', 'bf16'; 'i8': float32(code) * scale). Whole vectors of 16, the last partial
+    one through masked loads and stores. Plain IR, no array views: numba's slices cost a
+    reference count (an atomic) each, per cache row."""
     W = 16
-    src_dtype = types.int8 if kind == 'i8' else types.uint16
+    src_dtype = KIND_DTYPE[kind]
 
     @intrinsic
     def convert(typingctx, src, src_off, dst, dst_off, n, scale):
@@ -259,49 +296,35 @@ def _make_row_converter(kind):
 
         def codegen(context, builder, signature, args):
             tys = signature.args
-            i1, i32, i64 = ir.IntType(1), ir.IntType(32), ir.IntType(64)
-            ie = ir.IntType(8 if kind == 'i8' else 16)
+            i32, i64 = ir.IntType(32), ir.IntType(64)
             so, do, n_ = [context.cast(builder, args[k], tys[k], types.intp) for k in (1, 3, 4)]
             sc = context.cast(builder, args[5], tys[5], types.float32)
             sdat = context.make_array(tys[0])(context, builder, args[0]).data
             ddat = context.make_array(tys[2])(context, builder, args[2]).data
-            iv = ir.VectorType(ie, W)
-            fv, mv = ir.VectorType(ir.FloatType(), W), ir.VectorType(i1, W)
-            mod = builder.module
-            mload = cgutils.get_or_insert_function(
-                mod, ir.FunctionType(iv, [iv.as_pointer(), i32, mv, iv]),
-                "llvm.masked.load.v%di%d.p0" % (W, ie.width))
+            fv, mv = ir.VectorType(ir.FloatType(), W), ir.VectorType(ir.IntType(1), W)
             mstore = cgutils.get_or_insert_function(
-                mod, ir.FunctionType(ir.VoidType(), [fv, fv.as_pointer(), i32, mv]),
+                builder.module, ir.FunctionType(ir.VoidType(), [fv, fv.as_pointer(), i32, mv]),
                 "llvm.masked.store.v%df32.p0" % W)
             sbase = builder.gep(sdat, [so])
             dbase = builder.gep(ddat, [do])
-            if kind == 'i8':
-                scv = ir_splat(builder, sc, W)
+            scv = ir_splat(builder, sc, W) if kind == 'i8' else None
 
-            def value(x):
-                if kind == 'f16':
-                    return builder.fpext(builder.bitcast(x, ir.VectorType(ir.HalfType(), W)), fv)
-                if kind == 'bf16':
-                    wide = builder.zext(x, ir.VectorType(i32, W))
-                    return builder.bitcast(builder.shl(wide, ir.Constant(ir.VectorType(i32, W),
-                                                                         [16] * W)), fv)
-                return builder.fmul(builder.sitofp(x, fv), scv)
+            def value(e, mask):
+                x = ir_load_stored(builder, builder.gep(sbase, [e]), kind, W, mask)
+                return builder.fmul(x, scv) if kind == 'i8' else x
 
-            def ptrs(e):
-                return (builder.bitcast(builder.gep(sbase, [e]), iv.as_pointer()),
-                        builder.bitcast(builder.gep(dbase, [e]), fv.as_pointer()))
+            def dst_ptr(e):
+                return builder.bitcast(builder.gep(dbase, [e]), fv.as_pointer())
             wc = ir.Constant(i64, W)
             nfull = builder.sdiv(n_, wc)
             with cgutils.for_range(builder, nfull) as loop:
-                sp, dp = ptrs(builder.mul(loop.index, wc))
-                builder.store(value(builder.load(sp, align=1)), dp, align=4)
+                e = builder.mul(loop.index, wc)
+                builder.store(value(e, None), dst_ptr(e), align=4)
             tail = builder.mul(nfull, wc)
             with builder.if_then(builder.icmp_signed('<', tail, n_)):
                 mask = ir_first_lanes(builder, builder.sub(n_, tail), W)
-                sp, dp = ptrs(tail)
-                x = builder.call(mload, [sp, ir.Constant(i32, 1), mask, ir.Constant(iv, [0] * W)])
-                builder.call(mstore, [value(x), dp, ir.Constant(i32, 4), mask])
+                builder.call(mstore, [value(tail, mask), dst_ptr(tail), ir.Constant(i32, 4),
+                                      mask])
             return context.get_dummy_value()
         return types.none(src, src_off, dst, dst_off, n, scale), codegen
     return convert
