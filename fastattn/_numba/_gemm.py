@@ -21,7 +21,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._intrinsics import FM, HAVE_AVX512, no_inline, prefetch_l2, wide_vectors
+from ._intrinsics import (
+    FM, HAVE_AVX512, HAVE_F16C, KIND_DTYPE, ir_load_stored, no_inline, prefetch_l2, wide_vectors)
 from ._transpose import make_transpose, transpose8
 
 W = 16 if HAVE_AVX512 else 8      # float32 lanes per vector register
@@ -35,7 +36,7 @@ PW = NV * W                       # panel width (columns per micro-tile)
 transpose_q = make_transpose(MR)  # MR Q rows x 8 columns -> one packed micro-tile slice
 
 
-def _make_microkernel(MR, NV, prefetch_a=False, kb=0, prefetch_b=0):
+def _make_microkernel(MR, NV, prefetch_a=False, kb=0, prefetch_b=0, kind='f32'):
     """Build the MR x (NV*W) micro-kernel intrinsic (shapes fixed at import).
 
     prefetch_a: A rows are contiguous (sa_t == 1) and later calls read the
@@ -44,19 +45,22 @@ def _make_microkernel(MR, NV, prefetch_a=False, kb=0, prefetch_b=0):
     cache: 1.41 ms without, 1.11 ms 1 tile ahead, 0.70 ms 2-8 tiles ahead).
     prefetch_b: B rows are streamed once (decode's V); each k-step
     prefetches the NV vectors' lines of the B row prefetch_b k-steps ahead
-    (past the end of B that is a hint about unmapped memory: no fault)."""
+    (past the end of B that is a hint about unmapped memory: no fault).
+    kind: B holds a low-precision cache's elements ('f16', 'bf16': their bits as uint16; 'i8':
+    codes, the scales applied by the caller), each vector converted to float32 as it is loaded
+    (_intrinsics.ir_load_stored): the products and sums are those of the converted B."""
     @intrinsic
     def mk(typingctx, c, c_off, ldc, a, a_off, sa_r, sa_t, b, b_off, ldb, K,
            ncols, beta):
-        return _mk_typer(MR, NV, prefetch_a, kb, prefetch_b, c, c_off, ldc, a, a_off, sa_r, sa_t,
-                         b, b_off, ldb, K, ncols, beta)
+        return _mk_typer(MR, NV, prefetch_a, kb, prefetch_b, kind, c, c_off, ldc, a, a_off, sa_r,
+                         sa_t, b, b_off, ldb, K, ncols, beta)
     return mk
 
 
-def _mk_typer(MR, NV, prefetch_a, kb, prefetch_b, c, c_off, ldc, a, a_off, sa_r, sa_t, b, b_off,
-              ldb, K, ncols, beta):
-    for arr in (c, a, b):
-        if not (isinstance(arr, types.Array) and arr.dtype == types.float32):
+def _mk_typer(MR, NV, prefetch_a, kb, prefetch_b, kind, c, c_off, ldc, a, a_off, sa_r, sa_t, b,
+              b_off, ldb, K, ncols, beta):
+    for arr, dt in ((c, types.float32), (a, types.float32), (b, KIND_DTYPE[kind])):
+        if not (isinstance(arr, types.Array) and arr.dtype == dt):
             return None
     sig = types.void(c, c_off, ldc, a, a_off, sa_r, sa_t, b, b_off, ldb, K, ncols, beta)
 
@@ -95,6 +99,7 @@ def _mk_typer(MR, NV, prefetch_a, kb, prefetch_b, c, c_off, ldc, a, a_off, sa_r,
         fma = cgutils.get_or_insert_function(
             mod, ir.FunctionType(vty, [vty, vty, vty]), "llvm.fmuladd.v%df32" % W)
         align = ir.Constant(ir.IntType(32), 4)
+        per_line = 64 // (4 if kind == 'f32' else 1 if kind == 'i8' else 2)   # B elements a line
 
         def splat(val, ty):
             vt = ir.VectorType(ty, W)
@@ -130,8 +135,8 @@ def _mk_typer(MR, NV, prefetch_a, kb, prefetch_b, c, c_off, ldc, a, a_off, sa_r,
             if prefetch_b:
                 ahead = builder.add(t, ir.Constant(i64, prefetch_b))
                 brow_ahead = builder.gep(bbase, [builder.mul(ahead, ldb_)])
-                for v in range(NV):
-                    addr = builder.gep(brow_ahead, [ir.Constant(i64, v * W)])
+                for line in range(0, NV * W, per_line):     # each line of the panel's row once
+                    addr = builder.gep(brow_ahead, [ir.Constant(i64, line)])
                     builder.call(pf, [builder.bitcast(addr, ir.IntType(8).as_pointer()),
                                       ir.Constant(ir.IntType(32), 0),
                                       ir.Constant(ir.IntType(32), PF_LOCALITY),
@@ -143,8 +148,8 @@ def _mk_typer(MR, NV, prefetch_a, kb, prefetch_b, c, c_off, ldc, a, a_off, sa_r,
                                   ir.Constant(ir.IntType(32), PF_LOCALITY),
                                   ir.Constant(ir.IntType(32), 1)])
             brow = builder.gep(bbase, [builder.mul(t, ldb_)])
-            bv = [builder.call(mload, [builder.bitcast(builder.gep(brow, [ir.Constant(i64, v * W)]), vptr),
-                                       align, masks[v], zero]) for v in range(NV)]
+            bv = [ir_load_stored(builder, builder.gep(brow, [ir.Constant(i64, v * W)]), kind, W,
+                                 masks[v]) for v in range(NV)]
             at = builder.mul(t, sa_t_)
             for r in range(MR):
                 a_el = builder.load(builder.gep(abase, [builder.add(arow[r], at)]))
@@ -392,6 +397,36 @@ gemm_pv_stream4 = _make_gemm_pv(_make_microkernel(4, NV, prefetch_b=PV_PF_KEYS),
 NV_ROW = 64 // W
 gemm_pv_stream_row = _make_gemm_pv(_make_microkernel(1, NV_ROW, prefetch_b=PV_PF_KEYS), 1,
                                    NV_ROW * W)
+
+
+def _make_dec_pv(row, four, six):
+    @njit
+    def dec_pv(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R):
+        """acc[:R] += P[:R, p0:p0+n] . V (V rows from vf[voff], ldv apart) by the tile shape
+        that pads R least: one row (MHA decode), 4-row tiles (GQA groups of 2-4 or 7-8), MR."""
+        if R == 1:
+            row(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, 1)
+        elif 4 * ((R + 3) // 4) < Pb.shape[0]:     # 4-row tiles pad less than MR's
+            four(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, (R + 3) // 4)
+        else:
+            six(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, (R + MR - 1) // MR)
+    return dec_pv
+
+
+def _make_dec_pv_stored(kind):
+    """dec_pv over a low-precision cache's values read in place (kind as _make_microkernel's;
+    int8: the caller has multiplied P's columns by the values' scales)."""
+    return _make_dec_pv(*(_make_gemm_pv(_make_microkernel(mr, nv, prefetch_b=PV_PF_KEYS,
+                                                          kind=kind), mr, nv * W)
+                          for mr, nv in ((1, NV_ROW), (4, NV), (MR, NV))))
+
+
+dec_pv = _make_dec_pv(gemm_pv_stream_row, gemm_pv_stream4, gemm_pv_stream)
+# float16 only where F16C converts it in one instruction (ir_load_stored); the decode converts
+# into a float32 tile elsewhere
+dec_pv_bf16 = _make_dec_pv_stored('bf16')
+dec_pv_i8 = _make_dec_pv_stored('i8')
+dec_pv_f16 = _make_dec_pv_stored('f16') if HAVE_F16C else dec_pv_bf16
 
 
 # backward products accumulated over many tiles: end-add chains (see kb < 0)

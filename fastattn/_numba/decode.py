@@ -32,7 +32,7 @@ from ._scores import (
     alibi_slope, band_partial, group_block_status, mask_base, needs_rows, score_units,
     sink_logit, tile_scores)
 from ._tiles import block_all_finite, pv_nonfinite, sink_row, tile_dropout, tile_online
-from ._gemm import MR, dec_qk, dec_qk_dot, gemm_pv_stream, gemm_pv_stream4, gemm_pv_stream_row
+from ._gemm import MR, dec_pv, dec_pv_bf16, dec_pv_f16, dec_pv_i8, dec_qk, dec_qk_dot
 from ._dec_rows import ROWS_MAX, dec_qk_rows, dec_qk_rows_stored
 
 
@@ -75,12 +75,7 @@ def _dec_pv_ol(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R, ab):
     """acc[:R] += P[:R, p0:p0+n] . V, V rows from vf[voff] ldv apart."""
     if acc.dtype == types.float32:
         def impl(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R, ab):
-            if R == 1:
-                gemm_pv_stream_row(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, 1)
-            elif 4 * ((R + 3) // 4) < Pb.shape[0]:     # 4-row tiles pad less than MR's
-                gemm_pv_stream4(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, (R + 3) // 4)
-            else:
-                gemm_pv_stream(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, (R + MR - 1) // MR)
+            dec_pv(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R)
     else:
         def impl(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R, ab):
             gemm_nn(R, Ev, n, Pb, p0, Bk, vf, voff, ldv, 0, acc, 0, Evld, ab)
@@ -194,20 +189,59 @@ def _block_pv(a, b, hk, j0, n, vf, voff, ldv, paged, fast, Pb, acc, R, ab,
     raise NotImplementedError
 
 
+def _dec_pv_stored(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R,
+                   kind):  # pragma: no cover - replaced by the overload
+    raise NotImplementedError
+
+
+@overload(_dec_pv_stored, inline="always")
+def _dec_pv_stored_ol(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R, kind):
+    """_dec_pv reading a low-precision cache's values where they are (vf: its int8 or uint16
+    view; kind: the record's kv_kind), each vector converted as it is loaded."""
+    if vf.dtype == types.int8:
+        def impl(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R, kind):
+            dec_pv_i8(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R)
+    else:
+        def impl(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R, kind):
+            if kind == 2:
+                dec_pv_bf16(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R)
+            else:
+                dec_pv_f16(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R)
+    return impl
+
+
 @overload(_block_pv, inline="always")
 def _block_pv_ol(a, b, hk, j0, n, vf, voff, ldv, paged, fast, Pb, acc, R, ab, Vc):
-    """_block_pv_stored on a float32/float64 cache; on a low-precision one, with no exact path
-    needed (fast), LOWP_SUB_KEYS values at a time converted into Vc and multiplied from there
-    (each output element is one FMA chain over the keys in order, continued from acc: the bits
-    of the block taken whole); else the block's values converted whole into Vc and
-    _block_pv_stored on them."""
+    """_block_pv_stored on a float32/float64 cache. On a low-precision one, with no exact path
+    needed (fast): the values read in place and converted in the registers of the P.V kernel
+    (int8: P's columns multiplied first by their values' scales, one multiply a weight
+    instead of one an element, as the Cython kernels do; l has summed the plain weights), or,
+    for float16 without F16C, LOWP_SUB_KEYS values at a time converted into Vc and multiplied
+    from there. Each output element is one FMA chain over the keys in order, continued from
+    acc: a page's run gives the bits of the block taken whole. Else (a mask or dropout zeroed
+    weights) the block's values converted whole into Vc and _block_pv_stored on them."""
     if vf.dtype in (types.float32, types.float64):
         def impl(a, b, hk, j0, n, vf, voff, ldv, paged, fast, Pb, acc, R, ab, Vc):
             _block_pv_stored(a, b, hk, j0, n, vf, voff, ldv, paged, fast, Pb, acc, R, ab)
     else:
         def impl(a, b, hk, j0, n, vf, voff, ldv, paged, fast, Pb, acc, R, ab, Vc):
             Ev = a.Ev
-            if fast:
+            kind = a.kv_kind
+            if fast and (kind != 1 or HAVE_F16C):
+                if kind == 3:
+                    for t in range(n):
+                        Vc[t] = key_scale(a, b, hk, j0 + t, a.v_scale)
+                    for r in range(R):
+                        for t in range(n):
+                            Pb[r, t] *= Vc[t]
+                s0 = 0
+                while s0 < n:
+                    ko, vo, end = kv_run(a, b, j0 + s0)
+                    ns = min(n - s0, end - (j0 + s0))
+                    _dec_pv_stored(acc, max(Ev, 1), Pb, Pb.shape[1], s0, vf, vo + hk * a.vsH,
+                                   a.vsS, Ev, ns, R, kind)
+                    s0 += ns
+            elif fast:
                 s0 = 0
                 while s0 < n:
                     ns = min(LOWP_SUB_KEYS, n - s0)
