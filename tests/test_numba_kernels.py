@@ -466,6 +466,43 @@ def test_decode_pv_one_row_tile_same_bits(Ev):
     assert np.abs(row[0] - exact).max() < 1e-4 * np.abs(exact).max()
 
 
+@pytest.mark.parametrize("kind", ["f16", "bf16", "i8"])
+@pytest.mark.parametrize("R,Ev", [(1, 128), (4, 64), (6, 33), (12, 7)])
+def test_decode_pv_reading_a_low_precision_cache_in_place(kind, R, Ev):
+    """Decode's P.V over a float16 / bfloat16 / int8 cache's values where they are, each vector
+    converted as it is loaded (every tile shape: 1 row, 4-row tiles, MR-row tiles): bit for bit
+    the float32 P.V on the converted values (int8: on float32(code), the scales being the
+    caller's, folded into P), continued from acc, rows ldv apart, the padding rows untouched."""
+    from fastattn._numba._intrinsics import HAVE_F16C
+    if kind == "f16" and not HAVE_F16C:
+        pytest.skip("numba reads float16 in place only where the CPU has F16C")
+    rng = np.random.default_rng(R * 1000 + Ev)
+    n, Bk, ldv, voff = 203, 256, Ev + 5, 3
+    Rp = -(-R // _gemm.MR) * _gemm.MR
+    Pb = np.zeros((Rp, Bk), np.float32)
+    Pb[:R, :n] = rng.random((R, n))
+    x = rng.standard_normal(voff + n * ldv).astype(np.float32)
+    if kind == "f16":
+        stored = x.astype(np.float16).view(np.uint16)
+        values = x.astype(np.float16).astype(np.float32)
+    elif kind == "bf16":
+        stored = (x.view(np.uint32) >> 16).astype(np.uint16)
+        values = (stored.astype(np.uint32) << 16).view(np.float32)
+    else:
+        stored = rng.integers(-127, 128, x.size).astype(np.int8)
+        values = stored.astype(np.float32)
+    start = rng.standard_normal((Rp, Ev)).astype(np.float32)
+    got, want = start.copy(), start.copy()
+    {"f16": _gemm.dec_pv_f16, "bf16": _gemm.dec_pv_bf16, "i8": _gemm.dec_pv_i8}[kind](
+        got, Ev, Pb, Bk, 0, stored, voff, ldv, Ev, n, R)
+    _gemm.dec_pv(want, Ev, Pb, Bk, 0, values, voff, ldv, Ev, n, R)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(got[R:], start[R:])
+    V = np.stack([values[voff + j * ldv:voff + j * ldv + Ev] for j in range(n)])
+    exact = start[:R] + Pb[:R, :n].astype(np.float64) @ V
+    assert np.abs(got[:R] - exact).max() < 1e-4 * np.abs(exact).max()
+
+
 # ----------------------------------------------------------------------------------------------
 # attention sinks: one logit per query head in the softmax denominator only
 # ----------------------------------------------------------------------------------------------
