@@ -260,3 +260,21 @@ def test_a_small_window_of_a_large_cache_decodes_on_one_thread(monkeypatch):
     k = np.zeros((1, 12, 4096, 64), np.float32)             # 25 MB of buffer
     assert be.decode_threads(make_problem(q, k, k), 2) == 2
     assert be.decode_threads(make_problem(q, k, k, window=(0, 100)), 2) == 1   # 101 keys
+
+
+
+def test_numba_decodes_small_calls_on_one_thread_while_its_pool_sleeps():
+    """numba's OpenMP pool waits passively (fastattn loads it so unless the user chose): a
+    decode reading less than numba's serial bound runs with one thread, a larger one with all;
+    with a spinning pool (torch's libgomp loaded first), every call takes every thread."""
+    from fastattn import _process
+    from fastattn._inputs import make_problem
+    if not fa.backends()["numba"].available:
+        pytest.skip("numba is not installed")
+    be = B.registry["numba"]
+    q = np.zeros((1, 12, 1, 64), np.float32)
+    small = np.zeros((1, 12, 1024, 64), np.float32)        # 6.3 MB of K and V
+    large = np.zeros((1, 12, 4096, 64), np.float32)        # 25 MB
+    assert be.decode_threads(make_problem(q, large, large), 2) == 2
+    want = 2 if _process.openmp_passive() is False else 1
+    assert be.decode_threads(make_problem(q, small, small), 2) == want

@@ -73,6 +73,15 @@ class NumbaBackend(CompiledBackend):
         self._decode_kernel = decode.decode
         self._backward_kernel = backward.backward
         self._softmax_kernel = softmax.softmax_rows
+        # Decode reading fewer K/V bytes than this runs with one thread while numba's OpenMP
+        # pool waits passively (fastattn's default): a parallel region wakes a sleeping worker
+        # and waits for it at its end, ~100 us a call on this VM, more than the second thread
+        # saves below ~12 MB. MHA decode 12 heads d64
+        # float32, Zen 4 guest, best of 5 x 200 calls, one thread against two: 16 keys 40 /
+        # 140 us, 1024 keys (6.3 MB) 165 / 244, 2048 (12.6 MB) 322 / 310, 4096 913 / 613. A
+        # spinning pool (the user's OMP_WAIT_POLICY, torch's libgomp loaded first) keeps both.
+        if _process.openmp_passive() is not False:
+            self.serial_decode_bytes = 8 << 20
 
     # float16, bfloat16 and int8 caches: the decode reads them (a key block at a time converted,
     # fastattn/_numba/_kvconv.py); the tiled forward (prefill, more query rows) does not
