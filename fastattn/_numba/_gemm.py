@@ -22,7 +22,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._intrinsics import (
-    FM, HAVE_AVX512, HAVE_F16C, KIND_DTYPE, ir_load_stored, no_inline, prefetch_l2, wide_vectors)
+    HAVE_AVX512, HAVE_F16C, KIND_DTYPE, ir_load_stored, no_inline)
 from ._transpose import make_transpose, transpose8
 
 W = 16 if HAVE_AVX512 else 8      # float32 lanes per vector register
@@ -474,41 +474,6 @@ def gemm_acc_tn_packed(C, coff, ldc, nrt, A, aoff, B, boff, ldb, K, N):
                 for it in range(nrt):
                     mk_acc(C, coff + it * MR * ldc + c0, ldc, A, aoff + (it * K + k0) * MR, 1,
                            MR, B, boff + k0 * ldb + c0, ldb, kc, N - c0, True)
-
-
-# Keys ahead of the one being scored whose K row dec_qk_dot prefetches (8 KB at E = 128):
-# decode streams K from DRAM once, as the panel kernels' prefetch_a does for R > 1.
-DOT_PF_KEYS = 16
-
-
-@njit(fastmath=FM)
-def dec_qk_dot(Sb, c0, kf, koff, ldk, E, n, qs):
-    """Decode scores for ONE query row as dot products along e:
-    Sb[0, c0 + j] = q . K[koff + j*ldk ...] (K rows ldk apart: E, or a cache's key stride).
-    The panel kernel (dec_qk) spreads the
-    query rows over a vector's lanes and broadcasts K, so each key costs E
-    vector FMAs whatever the row count: with one row (MHA decode) 15 of 16
-    lanes were padding and decode became compute-bound (7.4 GB/s against
-    15.9 with this path, H=8 S=16384 d=128). Here LLVM vectorizes the
-    reduction (reassoc in FM): E/16 FMAs per key and one horizontal sum; the
-    lane-wise partial sums are a blocked summation. With the rows indexed as
-    kf[base + t] the loop stayed scalar (numba's negative-index wrap-around):
-    MHA decode B1 H12 d64 S4096, one thread, Zen 3, with the 64-column P.V row
-    tile below: 3.0-3.6 -> 0.79-0.99 ms a call (interleaved processes; four keys
-    a pass, each q element loaded once for four FMAs, was no faster). For 2-4 rows the same
-    loop with one accumulator per row compiled to slower code than the panel
-    kernel (R=2: 18 vs 11 ms; R=4: 11.4 vs 9.5 ms), so they keep dec_qk."""
-    wide_vectors()
-    zero = np.float32(0.0)
-    for j in range(n):
-        base = koff + j * ldk
-        for t in range(0, E, 16):
-            prefetch_l2(kf, base + DOT_PF_KEYS * ldk + t)
-        kr = kf[base:base + E]          # a slice: kf[base + t] kept the loop scalar
-        s = zero
-        for t in range(E):
-            s += qs[t] * kr[t]
-        Sb[0, c0 + j] = s
 
 
 @njit(fastmath={'contract'})   # FMA in the scalar tail, like the kernels

@@ -7,9 +7,9 @@ processes the G*L query rows of every query head of the KV group together
 the threads busy, the keys are split into chunks (flash-decoding); each chunk
 leaves (m, l, unnormalized acc) and a final pass merges them by log-sum-exp.
 Threads claim items from an atomic counter. float32 uses the register-
-blocked kernels of _gemm.py for both products (scores of a single query row,
-MHA decode, as dot products: _gemm.dec_qk_dot; of 2-8 rows, GQA, with the lanes
-along the head dim: _dec_rows.py), float64 uses BLAS.
+blocked kernels of _gemm.py for both products (scores of 1-8 query rows, MHA and
+GQA, with the lanes along the head dim: _dec_rows.py; more rows: _gemm.dec_qk),
+float64 uses BLAS.
 
 A KV cache is read in place (_kv.py): each sequence its own keys, paged blocks run by run of
 one page; on the flash layout (kv heads side by side) an item takes every kv head of a
@@ -32,7 +32,7 @@ from ._scores import (
     alibi_slope, band_partial, group_block_status, mask_base, needs_rows, score_units,
     sink_logit, tile_scores)
 from ._tiles import block_all_finite, pv_nonfinite, sink_row, tile_dropout, tile_online
-from ._gemm import MR, dec_pv, dec_pv_bf16, dec_pv_f16, dec_pv_i8, dec_qk, dec_qk_dot
+from ._gemm import MR, dec_pv, dec_pv_bf16, dec_pv_f16, dec_pv_i8, dec_qk
 from ._dec_rows import ROWS_MAX, dec_qk_rows, dec_qk_rows_stored
 
 
@@ -58,9 +58,7 @@ def _dec_qk_ol(Sb, c0, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, ldk, n, ab):
     the float32 panel kernel) against n keys whose rows start at kf[koff] and lie ldk apart."""
     if Sb.dtype == types.float32:
         def impl(Sb, c0, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, ldk, n, ab):
-            if R == 1:
-                dec_qk_dot(Sb, c0, kf, koff, ldk, E, n, Qs[0])
-            elif R <= ROWS_MAX:
+            if R <= ROWS_MAX:
                 dec_qk_rows(Sb, c0, kf, koff, ldk, E, n, Qs, R)
             else:
                 dec_qk(Sb, c0, kf, koff, ldk, E, n, Qt, R, SbT)
@@ -114,10 +112,12 @@ def _block_qk(a, b, hk, n, kf, koff, ldk, paged, Sb, Qs, Qt, SbT, R, E, Eld, j0,
 @overload(_block_qk, inline="always")
 def _block_qk_ol(a, b, hk, n, kf, koff, ldk, paged, Sb, Qs, Qt, SbT, R, E, Eld, j0, ab, Kc):
     """_block_qk_stored on a float32/float64 cache; on a float16, bfloat16 or int8 one (k of
-    uint16 or int8), for 2..ROWS_MAX query rows the keys read in place and converted in the
-    registers of _dec_rows' kernel; for other row counts LOWP_SUB_KEYS keys at a time
-    converted into the float32 tile Kc (_kvconv.py) and scored from there. Either way the
-    same bits (exact conversions; each score's sum in a fixed order)."""
+    uint16 or int8), for up to ROWS_MAX query rows the keys read in place and converted in
+    the registers of _dec_rows' kernel (int8: the dot over the codes times the key's scale);
+    for more rows, or float16 without F16C, LOWP_SUB_KEYS keys at a time converted into the
+    float32 tile Kc (_kvconv.py; int8: code x scale an element) and scored from there. Within
+    a call every key takes the same path and each score's sum has a fixed order, so a paged
+    cache's runs give the bits of the same keys stored contiguously."""
     if kf.dtype in (types.float32, types.float64):
         def impl(a, b, hk, n, kf, koff, ldk, paged, Sb, Qs, Qt, SbT, R, E, Eld, j0, ab, Kc):
             _block_qk_stored(a, b, hk, n, kf, koff, ldk, paged, Sb, Qs, Qt, SbT, R, E, Eld,
@@ -127,7 +127,7 @@ def _block_qk_ol(a, b, hk, n, kf, koff, ldk, paged, Sb, Qs, Qt, SbT, R, E, Eld, 
             Bk = Sb.shape[1]
             kind = a.kv_kind
             s0 = 0
-            if 2 <= R <= ROWS_MAX and (kind != 1 or HAVE_F16C):
+            if R <= ROWS_MAX and (kind != 1 or HAVE_F16C):
                 # the keys converted in the registers of the rows kernel; Kc holds the scales
                 while s0 < n:
                     ko, vo, end = kv_run(a, b, j0 + s0)
