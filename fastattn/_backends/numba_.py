@@ -104,5 +104,10 @@ class NumbaBackend(CompiledBackend):
     def details(self) -> dict:
         import numba
 
+        from .._numba._intrinsics import HAVE_F16C
+
         layer = numba.config.THREADING_LAYER
-        return {"numba": numba.__version__, "threading_layer": layer}
+        # how its decode reads a float16/bfloat16/int8 cache (decode.py's _block_qk/_block_pv)
+        lowp = "in_place" if HAVE_F16C else "in_place (float16: tiles, no F16C)"
+        return {"numba": numba.__version__, "threading_layer": layer, "lowp_decode": lowp,
+                "serial_decode_bytes": self.serial_decode_bytes}
