@@ -298,6 +298,38 @@ def test_each_level_takes_its_lowp_decode_copy(simd_level):
                                                                                  16, 16)
 
 
+def _decode_case(rng, kind, B, Hkv, G, E, Ev, S_max, page, paged):
+    """One query token per sequence (groups of G rows) and a cache of `kind`, flat (B, S_max)
+    or paged (pages of `page` tokens shuffled in a pool): q, kc, k_scale, vc, v_scale, and the
+    call's block_table keyword."""
+    n_rows = B * S_max // page if paged else B
+    kc, ks = make_cache(rng, kind, (n_rows, page if paged else S_max, Hkv, E))
+    vc, vs = make_cache(rng, kind, (n_rows, page if paged else S_max, Hkv, Ev))
+    q = rng.standard_normal((B, 1, Hkv * G, E)).astype(np.float32)
+    where = {}
+    if paged:
+        where["block_table"] = rng.permutation(n_rows).astype(np.int32).reshape(B, -1)
+    return q, kc, ks, vc, vs, where
+
+
+def _check_decode_against_dense(out, lse, q, kc, ks, vc, vs, lens, block_table):
+    """Each sequence's out/lse of a decode against the dense float64 computation over the values
+    its cache rows hold (block_table: the pages of a paged cache, else None)."""
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        if block_table is not None:
+            pages = block_table[b]
+            sq = lambda a: None if a is None else a[pages].reshape((-1,) + a.shape[2:])[:n]
+        else:
+            sq = lambda a: None if a is None else a[b, :n]
+        if n == 0:                       # no key: out 0, lse -inf (the cache tests' rule)
+            assert not out[b].any() and np.all(lse[b] == -np.inf)
+            continue
+        want, want_lse = dense(q[b], held(sq(kc), sq(ks)), held(sq(vc), sq(vs)))
+        np.testing.assert_allclose(out[b], want, rtol=TOL, atol=TOL)
+        np.testing.assert_allclose(lse[b], want_lse, rtol=TOL, atol=TOL)
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("dims", LOWP_DIMS, ids=[f"{e}x{ev}" for e, ev in LOWP_DIMS])
 @pytest.mark.parametrize("G", range(1, 9))
@@ -312,29 +344,32 @@ def test_lowp_decode_kernels_every_simd_copy(rng, simd_level, kind, dims, G):
     lens = np.array([0, 1, 33, 97, 250], np.int32)
     S_max = 256
     paged = G % 2 == 0
-    n_rows = B * S_max // page if paged else B
-    kc, ks = make_cache(rng, kind, (n_rows, page if paged else S_max, Hkv, E))
-    vc, vs = make_cache(rng, kind, (n_rows, page if paged else S_max, Hkv, Ev))
-    q = rng.standard_normal((B, 1, Hkv * G, E)).astype(np.float32)
-    where = {}
-    if paged:
-        where["block_table"] = rng.permutation(n_rows).astype(np.int32).reshape(B, -1)
+    q, kc, ks, vc, vs, where = _decode_case(rng, kind, B, Hkv, G, E, Ev, S_max, page, paged)
     out, lse = fa.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, return_lse=True,
                                          backend="cython", **scales_kw(ks, vs), **where)
     assert _cykernels.decode_lowp_copy(E, Ev) == _lowp_copy_expected(simd_level, E, Ev)
-    for b in range(B):
-        n = int(lens[b])
-        if paged:
-            pages = where["block_table"][b]
-            sq = lambda a: None if a is None else a[pages].reshape((-1,) + a.shape[2:])[:n]
-        else:
-            sq = lambda a: None if a is None else a[b, :n]
-        if n == 0:                       # no key: out 0, lse -inf (the cache tests' rule)
-            assert not out[b].any() and np.all(lse[b] == -np.inf)
-            continue
-        want, want_lse = dense(q[b], held(sq(kc), sq(ks)), held(sq(vc), sq(vs)))
-        np.testing.assert_allclose(out[b], want, rtol=TOL, atol=TOL)
-        np.testing.assert_allclose(lse[b], want_lse, rtol=TOL, atol=TOL)
+    _check_decode_against_dense(out, lse, q, kc, ks, vc, vs, lens, where.get("block_table"))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("G", [1, 2, 3, 4, 5, 8, 9])
+def test_numba_lowp_decode_every_group_size(rng, kind, G):
+    """numba's decode over a low-precision cache, one query token per sequence, GQA groups of
+    1 (MHA) to 8 rows (keys and values converted in its kernels' registers: _dec_rows, the P.V
+    micro-kernel) and 9 (keys through a converted tile), ragged lengths across its blocks,
+    flat (G odd) or paged (G even): against the dense float64 computation over the values the
+    cache holds."""
+    if not fa.backends()["numba"].available:
+        pytest.skip("numba is not available")
+    E, Ev = 64, 40
+    B, Hkv, page = 4, 2, 16
+    lens = np.array([0, 1, 97, 1500], np.int32)
+    S_max = 1536
+    paged = G % 2 == 0
+    q, kc, ks, vc, vs, where = _decode_case(rng, kind, B, Hkv, G, E, Ev, S_max, page, paged)
+    out, lse = fa.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, return_lse=True,
+                                         backend="numba", **scales_kw(ks, vs), **where)
+    _check_decode_against_dense(out, lse, q, kc, ks, vc, vs, lens, where.get("block_table"))
 
 
 @pytest.mark.parametrize("threads", ["1", "2"])
