@@ -19,8 +19,8 @@ large logits (see _gemm.QK_KB).
 
 The same kernels read a float16, bfloat16 or int8 cache in place (kinds 'f16', 'bf16', 'i8'):
 each key vector is converted in the registers as it is loaded (exactly, as _kvconv converts a
-tile), so the scores are the float32 kernel's bits on the converted keys without a second
-pass over the cache's elements.
+tile), so the scores are the float32 kernel's bits on the converted keys (int8: on the codes,
+then times the key's scale) without a second pass over the cache's elements.
 
 One row (MHA decode) runs here too, KQ = 8 keys a group on AVX-512. It replaced a dot-product
 loop that LLVM vectorized (_gemm.dec_qk_dot, one array slice a key): MHA decode 12 heads d64
@@ -87,7 +87,6 @@ def _reduce_tree(builder, vals, ids, W=W):
     return vals, groups
 
 
-# the stored key element of each kind: float32, or a low-precision cache's (_kvconv.py)
 def _make_rows_kernel(R, KQ, W=W, kind='f32'):
     """The intrinsic scoring R query rows against KQ keys:
     sb[sb_off + r*ldsb + j] = sum_e q[q_off + r*ldq + e] * key(k_off + j*ldk + e),
@@ -186,7 +185,8 @@ def _make_rows_kernel(R, KQ, W=W, kind='f32'):
                                         W)
             sbase = builder.gep(sdat, [sb_off_])
             if kind == 'i8':        # each key's scale, once a score (the dot was on its codes)
-                scale = [builder.load(builder.gep(cdat, [builder.add(sc_off_, ir.Constant(i64, j))]))
+                scale = [builder.load(builder.gep(cdat, [builder.add(sc_off_,
+                                                                     ir.Constant(i64, j))]))
                          for j in range(KQ)]
             for v, g in zip(vals, groups):
                 for lane, rj in enumerate(g):
