@@ -208,21 +208,14 @@ def test_decode_rows_scores_exact_and_same_bits_anywhere(W, R, E):
     np.testing.assert_array_equal(one, Sb[:, 3:3 + n])
 
 
-@pytest.mark.parametrize("W", [16, 8])
-@pytest.mark.parametrize("kind", ["f16", "bf16", "i8"])
-@pytest.mark.parametrize("R,E", [(4, 128), (3, 33), (8, 7), (1, 64)])
-def test_decode_rows_scores_of_a_low_precision_cache(W, kind, R, E):
-    """The same kernel reading a float16 / bfloat16 / int8 cache in place, converting each
-    vector as it loads it: bit for bit the scores of the float32 kernel on the converted keys
-    (NumPy's conversion; int8: the float32 kernel on float32(code), times the key's scale, as
-    float32), and a key's bits the same alone or in a group."""
+def _stored_cache(rng, kind, size):
+    """`size` random elements of a low-precision cache as stored (float16 / bfloat16 bits as
+    uint16, int8 codes) and the float32 values they hold (int8: float32(code), the scales
+    aside). numba reads float16 in place only where the CPU has F16C: skipped elsewhere."""
     from fastattn._numba._intrinsics import HAVE_F16C
     if kind == "f16" and not HAVE_F16C:
         pytest.skip("numba reads float16 in place only where the CPU has F16C")
-    rng = np.random.default_rng(E)
-    n, ldk, ldq = 61, E + 9, E
-    x = rng.standard_normal(2 + n * ldk).astype(np.float32)
-    scales = (rng.random(n) + 0.01).astype(np.float32)
+    x = rng.standard_normal(size).astype(np.float32)
     if kind == "f16":
         stored = x.astype(np.float16).view(np.uint16)
         values = x.astype(np.float16).astype(np.float32)
@@ -232,6 +225,21 @@ def test_decode_rows_scores_of_a_low_precision_cache(W, kind, R, E):
     else:
         stored = rng.integers(-127, 128, x.size).astype(np.int8)
         values = stored.astype(np.float32)
+    return stored, values
+
+
+@pytest.mark.parametrize("W", [16, 8])
+@pytest.mark.parametrize("kind", ["f16", "bf16", "i8"])
+@pytest.mark.parametrize("R,E", [(4, 128), (3, 33), (8, 7), (1, 64)])
+def test_decode_rows_scores_of_a_low_precision_cache(W, kind, R, E):
+    """The same kernel reading a float16 / bfloat16 / int8 cache in place, converting each
+    vector as it loads it: bit for bit the scores of the float32 kernel on the converted keys
+    (NumPy's conversion; int8: the float32 kernel on float32(code), times the key's scale, as
+    float32), and a key's bits the same alone or in a group."""
+    rng = np.random.default_rng(E)
+    n, ldk, ldq = 61, E + 9, E
+    stored, values = _stored_cache(rng, kind, 2 + n * ldk)
+    scales = (rng.random(n) + 0.01).astype(np.float32)
     q = rng.standard_normal((R, ldq)).astype(np.float32)
     got = np.full((R, n), 7.0, np.float32)
     want = np.full((R, n), 7.0, np.float32)
@@ -455,24 +463,12 @@ def test_decode_pv_reading_a_low_precision_cache_in_place(kind, R, Ev):
     converted as it is loaded (every tile shape: 1 row, 4-row tiles, MR-row tiles): bit for bit
     the float32 P.V on the converted values (int8: on float32(code), the scales being the
     caller's, folded into P), continued from acc, rows ldv apart, the padding rows untouched."""
-    from fastattn._numba._intrinsics import HAVE_F16C
-    if kind == "f16" and not HAVE_F16C:
-        pytest.skip("numba reads float16 in place only where the CPU has F16C")
     rng = np.random.default_rng(R * 1000 + Ev)
     n, Bk, ldv, voff = 203, 256, Ev + 5, 3
     Rp = -(-R // _gemm.MR) * _gemm.MR
     Pb = np.zeros((Rp, Bk), np.float32)
     Pb[:R, :n] = rng.random((R, n))
-    x = rng.standard_normal(voff + n * ldv).astype(np.float32)
-    if kind == "f16":
-        stored = x.astype(np.float16).view(np.uint16)
-        values = x.astype(np.float16).astype(np.float32)
-    elif kind == "bf16":
-        stored = (x.view(np.uint32) >> 16).astype(np.uint16)
-        values = (stored.astype(np.uint32) << 16).view(np.float32)
-    else:
-        stored = rng.integers(-127, 128, x.size).astype(np.int8)
-        values = stored.astype(np.float32)
+    stored, values = _stored_cache(rng, kind, voff + n * ldv)
     start = rng.standard_normal((Rp, Ev)).astype(np.float32)
     got, want = start.copy(), start.copy()
     {"f16": _gemm.dec_pv_f16, "bf16": _gemm.dec_pv_bf16, "i8": _gemm.dec_pv_i8}[kind](
