@@ -275,11 +275,11 @@ CASES = {
 }
 
 
-def _kernel_problem(rng, dtype, case):
+def _kernel_problem(rng, dtype, case, heads=(2, 6, 2)):
     from fastattn._inputs import make_problem
 
     c = dict(CASES[case])
-    B, Hq, Hkv, E, Ev = 2, 6, 2, 24, 20
+    (B, Hq, Hkv), E, Ev = heads, 24, 20
     L, S = c.pop("L", 37), c.pop("S", 53)
     q = rng.standard_normal((B, Hq, L, E)) * c.pop("scale_q", 1.0)
     k, v = rng.standard_normal((B, Hkv, S, E)), rng.standard_normal((B, Hkv, S, Ev))
@@ -396,6 +396,99 @@ def test_backward_kernel_blocks_and_chunks(case, dtype, blocks):
     naive = reference.scaled_dot_product_attention_backward(g, q, k, v, dtype=dtype, **kw)
     for name, a, r, n in zip(("dq", "dk", "dv"), res[0], want, naive):
         assert_close_to_reference(a, r, n, dtype, name)
+
+
+def _backward_path_spy(monkeypatch, bwd):
+    """Records which float32 backward each call of bwd.backward takes: ("kept", plan) for the
+    kept-tiles kernel (_bwd_kept.py), ("recompute", plan) for the key-block-outer one."""
+    taken = []
+
+    def spy(name, real):
+        def call(*args):
+            taken.append((name, args[3]))
+            return real(*args)
+        return call
+    monkeypatch.setattr(bwd, "kept_kernel", spy("kept", bwd.kept_kernel))
+    monkeypatch.setattr(bwd, "_backward_kernel", spy("recompute", bwd._backward_kernel))
+    return taken
+
+
+@pytest.mark.parametrize("blocks", [(7, 13), (16, 64), (128, 128)])
+@pytest.mark.parametrize("case", list(CASES))
+def test_backward_kept_tiles_same_bits_as_recomputed(case, blocks, monkeypatch):
+    """float32 keeps a query block's S and dP tiles between the sweeps (_bwd_kept.py); past
+    tuning.bwd_keep_bytes it recomputes them, key blocks outer. The same blocks, the same score
+    code and, with one unit per kv head and one key chunk, every sum in the same order: the
+    same bits, NaN and all."""
+    from fastattn._backends._kernel_args import kernel_args
+    from fastattn._numba import backward as bwd
+    from fastattn._tuning import tuning
+
+    rng = np.random.default_rng(zlib.crc32(case.encode()) % 1000 + 7)
+    q, k, v, g, kw, p = _kernel_problem(rng, np.float32, case)
+    from fastattn import reference
+    out, lse = reference.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
+    out, lse = out.astype(np.float32), lse.astype(np.float32)
+    taken = _backward_path_spy(monkeypatch, bwd)
+    res = []
+    for keep in (-1, 0):
+        dq, dk, dv = np.full_like(q, np.nan), np.full_like(k, np.nan), np.full_like(v, np.nan)
+        with tuning(bwd_block_q=blocks[0], bwd_block_k=blocks[1], bwd_chunks=1,
+                    bwd_keep_bytes=keep):
+            args = kernel_args(p, 2)
+        bwd.backward(args, g, out, lse, dq, dk, dv, np.zeros(p.q.shape[1], np.float32))
+        res.append((dq, dk, dv))
+    assert [name for name, _ in taken] == ["kept", "recompute"]
+    assert taken[0][1].nqc == 1                       # B * Hkv = 4 units for <= 2 threads
+    for name, a, b in zip(("dq", "dk", "dv"), *res):
+        assert np.array_equal(a, b, equal_nan=True), name
+
+
+@pytest.mark.parametrize("case", ["plain", "causal_L>S", "causal_br", "window", "bool_mask",
+                                  "softcap", "alibi", "dropout"])
+def test_backward_kept_tiles_one_kv_head(case, monkeypatch):
+    """One kv head for two threads: the kept-tiles backward splits the query blocks among
+    several units, each leaving dk/dv partials that are summed in unit order afterwards.
+    Against the float64 reference, and the same bits twice."""
+    from helpers import assert_close_to_reference
+
+    from fastattn import reference
+    from fastattn._backends._kernel_args import kernel_args
+    from fastattn._numba import backward as bwd
+    from fastattn._tuning import tuning
+
+    rng = np.random.default_rng(zlib.crc32(case.encode()) % 1000 + 11)
+    q, k, v, g, kw, p = _kernel_problem(rng, np.float32, case, heads=(1, 3, 1))
+    out, lse = reference.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
+    out, lse = out.astype(np.float32), lse.astype(np.float32)
+    taken = _backward_path_spy(monkeypatch, bwd)
+    res = []
+    for _ in range(2):
+        dq, dk, dv = np.full_like(q, np.nan), np.full_like(k, np.nan), np.full_like(v, np.nan)
+        with tuning(bwd_block_q=8, bwd_block_k=16):
+            args = kernel_args(p, 2)
+        bwd.backward(args, g, out, lse, dq, dk, dv, np.zeros(p.q.shape[1], np.float32))
+        res.append((dq, dk, dv))
+    assert [name for name, _ in taken] == ["kept", "kept"] and taken[0][1].nqc > 1
+    for a, b in zip(*res):
+        assert np.array_equal(a, b, equal_nan=True)
+    want = reference.scaled_dot_product_attention_backward(g, q, k, v, **kw)
+    naive = reference.scaled_dot_product_attention_backward(g, q, k, v, dtype=np.float32, **kw)
+    for name, a, r, n in zip(("dq", "dk", "dv"), res[0], want, naive):
+        assert_close_to_reference(a, r, n, np.float32, name)
+
+
+def test_backward_keep_bytes_must_not_be_below_minus_one():
+    from fastattn._backends._kernel_args import kernel_args
+    from fastattn._numba import backward as bwd
+    from fastattn._tuning import tuning
+
+    q, k, v, g, kw, p = _kernel_problem(np.random.default_rng(0), np.float32, "plain")
+    grads = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    with tuning(bwd_keep_bytes=-2):
+        args = kernel_args(p, 2)
+    with pytest.raises(ValueError, match="bwd_keep_bytes must be >= 0.*got -2"):
+        bwd.backward(args, g, g, g[..., 0], *grads, np.zeros(6, np.float32))
 
 
 # (case, seed, blocks, gradient) where the backward kernel broke the float32 rule while it took

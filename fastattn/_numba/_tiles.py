@@ -11,6 +11,7 @@ from ._exp import exp2_row_sum, exp2v
 from ._gemm import MR, NO_LIMIT, tile_cols
 from ._hash import dropout_bits, dropout_row_key, dropout_threshold_nb
 from ._intrinsics import FM, fcast, fmax_nan, wide_vectors
+from ._scores import sink_logit
 
 
 # Lazy rescaling: once a row has a running max m, a new block is first
@@ -208,6 +209,36 @@ def tile_norm(S, Z, nq, n, a, c, bh, i0, j0, ms, zs, ds, aoff):
                 da += t if p != zero else 0.0
         zs[aoff + r] += za
         ds[aoff + r] += da
+
+
+@njit(fastmath=FM)
+def norm_rows(a, h, rows, rowoff, nq, ms, zs, ds, aoff, kappa):
+    """After sweep 1 (tile_norm over every key of the rows): rows rowoff.. (nq of them, query
+    head h) get rows = (m2 = m, Dd = D/Z, Iz = 1/Z, P_sink * D) from their float64 max m, Z and
+    D at ms/zs/ds[aoff + r]. A row with no key and no sink (m = -inf) gets P = 0 everywhere
+    (m2 = +inf, Iz = Dd = 0). With a sink, its weight joins Z (the row's real keys sum to
+    1 - P_sink) and its share P_sink * D feeds dsinks (no value row: its dS is -P_sink * D);
+    m >= the sink (ms started there), so its weight is <= 1."""
+    lse2, Dd, Iz = rows[0], rows[1], rows[2]
+    zero = fcast(lse2, 0.0)
+    sink2 = sink_logit(a, h) / kappa          # the sink in log2 units
+    for r in range(nq):
+        m = ms[aoff + r]
+        if m == -np.inf:
+            lse2[rowoff + r] = np.inf
+            Iz[rowoff + r] = zero
+            Dd[rowoff + r] = zero
+            if a.has_sinks:
+                rows[3][rowoff + r] = 0.0
+            continue
+        z = zs[aoff + r]
+        if a.has_sinks:
+            e = exp2v(sink2 - m) if sink2 != -np.inf else 0.0
+            z += e
+            rows[3][rowoff + r] = (e / z) * (ds[aoff + r] / z)
+        lse2[rowoff + r] = fcast(lse2, m)     # exact: m is a value of the dtype
+        Iz[rowoff + r] = fcast(lse2, 1.0 / z)  # z >= 1 (the max's weight), or NaN
+        Dd[rowoff + r] = fcast(lse2, ds[aoff + r] / z)
 
 
 @njit(fastmath=FM_ROUNDED)

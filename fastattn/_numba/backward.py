@@ -39,16 +39,16 @@ import numpy as np
 from numba import njit, prange
 
 from ._blas import blas_single_thread, numba_threads, prime_blas
+from ._bwd_kept import kept_bytes, kept_kernel, kept_workspace
 from ._bwd_ops import b_nn, b_pack_a, b_pack_b, b_pack_rows, b_qk, b_tn, dq_nonfinite
 from ._gemm import MR, PW
-from ._exp import exp2v
 from ._hash import dropout_bh
 from ._intrinsics import FM, atomic_next, fcast, wide_vectors
 from ._record import numba_args, positive
 from ._scores import (
     alibi_slope, band_partial, block_status, mask_base, needs_rows, outside_band, score_units,
     sink_logit, tile_scores)
-from ._tiles import block_all_finite, tile_grad, tile_norm
+from ._tiles import block_all_finite, norm_rows, tile_grad, tile_norm
 
 
 @njit(cache=True, fastmath=FM, nogil=True)
@@ -91,7 +91,6 @@ def _norm_unit(u, a, dout, rows, plan, ws, zs, ds, ms):
     accumulators (Z, D, running max)."""
     wide_vectors()
     q, k, v = a.q, a.k, a.v
-    lse2, Dd, Iz = rows[0], rows[1], rows[2]
     Qa, Da, Kb, Vb, Ws, Wz, Wg = ws
     Bq, Bk, nqc = plan.Bq, plan.Bk, plan.nqc
     B, Hq, L, E = q.shape
@@ -179,29 +178,8 @@ def _norm_unit(u, a, dout, rows, plan, ws, zs, ds, ms):
         for qb in range(qb_lo, qb_hi):
             i0 = qb * Bq
             nq = min(Bq, L - i0)
-            rowoff = (b * Hq + h) * L + i0
-            aoff = hh * Lp + qb * Bqp
-            sink2 = sink_logit(a, h) / kappa          # the sink in log2 units
-            for r in range(nq):
-                m = ms[aoff + r]
-                if m == -np.inf:                # no key and no sink: P = 0 everywhere
-                    lse2[rowoff + r] = np.inf
-                    Iz[rowoff + r] = zero
-                    Dd[rowoff + r] = zero
-                    if a.has_sinks:
-                        rows[3][rowoff + r] = 0.0
-                    continue
-                z = zs[aoff + r]
-                if a.has_sinks:
-                    # the sink's weight joins Z (the row's real keys sum to 1 - P_sink); its
-                    # share P_sink * D feeds dsinks (no value row: its dS is -P_sink * D).
-                    # m >= the sink (ms started there), so e <= 1.
-                    e = exp2v(sink2 - m) if sink2 != -np.inf else 0.0
-                    z += e
-                    rows[3][rowoff + r] = (e / z) * (ds[aoff + r] / z)
-                lse2[rowoff + r] = fcast(q, m)  # exact: m is a value of the dtype
-                Iz[rowoff + r] = fcast(q, 1.0 / z)  # z >= 1 (the max's weight), or NaN
-                Dd[rowoff + r] = fcast(q, ds[aoff + r] / z)
+            norm_rows(a, h, rows, (b * Hq + h) * L + i0, nq, ms, zs, ds, hh * Lp + qb * Bqp,
+                      kappa)
 
 
 @njit(cache=True, fastmath=FM, nogil=True)
@@ -351,6 +329,10 @@ def _merge_dq(bk, nchunks, dqp, dq, Hkv, g, L, E, Bq, Lp, sc, tmp):
     _write_dq(tmp, dq, b, hk, g, L, E, Bq, Lp, sc)
 
 
+# Largest kept tiles a worker holds (bytes) before the backward recomputes them instead: as
+# the Cython kernel's BWD_KEEP_BYTES (csrc/problem.pxi); tuning.bwd_keep_bytes overrides it.
+KEEP_BYTES = 16 << 20
+
 # Blocks of a backward call: query/key block sizes, key chunk length and count, threads,
 # query-block chunks of the _norm_unit pass.
 BwdPlan = namedtuple("BwdPlan", "Bq Bk csize nchunks nthreads nqc")
@@ -435,28 +417,40 @@ def workspace(dtype, T, g, L, E, Ev, Bq, Bk, softcap, n_items, nchunks):
     TB = max(-(-Bk // PW) * PW, Bkp)
     Lp = -(-L // Bq) * Bqp
     dqn = g * Lp * Eld
-    key = (np.dtype(dtype).str, T, g, L, E, Ev, Bq, Bk, softcap > 0, n_items, nchunks)
+    key = ("recompute", np.dtype(dtype).str, T, g, L, E, Ev, Bq, Bk, softcap > 0, n_items,
+           nchunks)
+
+    def make():
+        npan = -(-Bk // PW)
+        arrs = (np.empty((T, g * Lp * Eld), dtype),                 # packed Q blocks
+                np.empty((T, g * Lp * Evld), dtype),                # packed dO blocks
+                np.empty((T, g * Lp * Ep if f32 else 1), dtype),    # Q rows, padded
+                np.empty((T, g * Lp * Evp if f32 else 1), dtype),   # dO rows, padded
+                np.empty((T, max(npan * PW, Bkp) * Eld), dtype),    # K panels of a key block
+                np.empty((T, max(npan * PW, Bkp) * Evld), dtype),   # V panels
+                np.empty((T, Bqp, TB), dtype),                      # S -> dS
+                np.empty((T, Bqp, TB), dtype),                      # Z -> Pd
+                np.empty((T, Bqp, TB) if softcap > 0 else (T, 1, 1), dtype),  # 1 - tanh^2
+                np.empty((T, max(Ep, 1) * TB), dtype),              # dK^T accumulator
+                np.empty((T, max(Evp, 1) * TB), dtype),             # dV^T accumulator
+                np.empty((T, dqn if nchunks == 1 else 1), dtype),   # dq accumulator
+                np.empty((T, Bk, Eld), dtype))                      # non-finite K slow path
+        dqp = np.empty((n_items if nchunks > 1 else 1, dqn if nchunks > 1 else 1), dtype)
+        return (dqp,) + arrs
+    return cached_scratch(key, make)
+
+
+def cached_scratch(key, make):
+    """make()'s arrays, cached per Python thread for the latest key. Fresh arrays cost page
+    faults on first touch in every call (the kept-tiles backward, B1 H4 L=S=2048 d64: 133
+    against 153 GF/s cached). Only small sets are kept: a 16k-token head's is tens of MB."""
     cached = getattr(_ws, 'arrays', None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    npan = -(-Bk // PW)
-    arrs = (np.empty((T, g * Lp * Eld), dtype),                 # packed Q blocks
-            np.empty((T, g * Lp * Evld), dtype),                # packed dO blocks
-            np.empty((T, g * Lp * Ep if f32 else 1), dtype),    # Q rows, padded
-            np.empty((T, g * Lp * Evp if f32 else 1), dtype),   # dO rows, padded
-            np.empty((T, max(npan * PW, Bkp) * Eld), dtype),    # K panels of a key block
-            np.empty((T, max(npan * PW, Bkp) * Evld), dtype),   # V panels
-            np.empty((T, Bqp, TB), dtype),                      # S -> dS
-            np.empty((T, Bqp, TB), dtype),                      # Z -> Pd
-            np.empty((T, Bqp, TB) if softcap > 0 else (T, 1, 1), dtype),  # 1 - tanh^2
-            np.empty((T, max(Ep, 1) * TB), dtype),              # dK^T accumulator
-            np.empty((T, max(Evp, 1) * TB), dtype),             # dV^T accumulator
-            np.empty((T, dqn if nchunks == 1 else 1), dtype),   # dq accumulator
-            np.empty((T, Bk, Eld), dtype))                      # non-finite K slow path
-    dqp = np.empty((n_items if nchunks > 1 else 1, dqn if nchunks > 1 else 1), dtype)
-    res = (dqp,) + arrs
-    # keep small workspaces only: a 16k-token head's is ~10 MB per worker
-    _ws.arrays = (key, res) if sum(a.nbytes for a in res) <= (64 << 20) else None
+    res = make()
+    size = sum(x.nbytes for x in res if isinstance(x, np.ndarray))
+    size += sum(y.nbytes for x in res if isinstance(x, tuple) for y in x)
+    _ws.arrays = (key, res) if size <= (64 << 20) else None
     return res
 
 
@@ -484,28 +478,61 @@ def backward(args, dout, out, lse, dq, dk, dv, dsinks):
         dv[...] = 0
         return
     prime_blas()
-    g = Hq // Hkv
+    keep = t.bwd_keep_bytes
+    if keep < -1:
+        raise ValueError(f"tuning.bwd_keep_bytes must be >= 0 (or -1 for the default "
+                         f"{KEEP_BYTES}), got {keep}")
+    # m2, Dd, Iz per query row, and each row's P_sink * D (float64) for dsinks
+    rows = (np.empty(B * Hq * L, q.dtype), np.empty(B * Hq * L, q.dtype),
+            np.empty(B * Hq * L, q.dtype),
+            np.empty(B * Hq * L if args.has_sinks else 1, np.float64))
     with blas_single_thread, numba_threads(args.n_threads) as T:
-        nc = nchunks if nchunks else backward_chunks(B, Hkv, S, T, Bk)
-        # chunk length: a multiple of Bk, so only a chunk's last block is short
-        csize = -(-(-(-S // max(nc, 1))) // Bk) * Bk
-        nc = -(-S // csize)
-        n_items = B * Hkv * nc
-        T = max(1, min(T, n_items))
-        ws = workspace(q.dtype, T, g, L, E, Ev, Bq, Bk, args.softcap, n_items, nc)
-        # m2, Dd, Iz per query row, and each row's P_sink * D (float64) for dsinks
-        rows = (np.empty(B * Hq * L, q.dtype), np.empty(B * Hq * L, q.dtype),
-                np.empty(B * Hq * L, q.dtype),
-                np.empty(B * Hq * L if args.has_sinks else 1, np.float64))
-        zsum = np.empty((T, 3, g * -(-L // Bq) * (-(-Bq // MR) * MR)))
-        # query-block chunks of the _norm_unit pass: only when B*Hkv alone cannot keep every
-        # thread busy (T here is the thread count the kernel's prange loops run with)
-        nqb = -(-L // Bq)
-        bhk = B * Hkv
-        nqc = 1 if bhk >= 2 * T else min(nqb, -(-2 * T // bhk))
-        plan = BwdPlan(Bq, Bk, csize, nc, T, nqc)
-        _backward_kernel(numba_args(args), dout, lse, (dq, dk, dv), plan, rows, ws[0], zsum,
-                         ws[1:])
+        if (q.dtype == np.float32 and not args.has_delta and kept_bytes(
+                Bq, Bk, S, PW, args.softcap) <= (KEEP_BYTES if keep == -1 else keep)):
+            _kept(args, dout, dq, dk, dv, rows, T, Bq, Bk)
+        else:
+            _recompute(args, dout, lse, dq, dk, dv, rows, T, Bq, Bk, nchunks)
     if args.has_sinks:
         # dsinks[h] = -sum_{b,i} P_sink * D, summed here in a fixed order (deterministic)
         dsinks[:] = -rows[3].reshape(B, Hq, L).sum(axis=(0, 2))
+
+
+def _query_chunks(B, Hkv, L, Bq, T):
+    """Query-block chunks per (batch, kv head) of the passes whose units are (batch, kv head,
+    query blocks): only when B*Hkv alone cannot keep every thread busy (T here is the thread
+    count the kernel's prange loops run with)."""
+    bhk = B * Hkv
+    return 1 if bhk >= 2 * T else min(-(-L // Bq), -(-2 * T // bhk))
+
+
+def _kept(args, dout, dq, dk, dv, rows, T, Bq, Bk):
+    """float32, the band's tiles kept between the sweeps (_bwd_kept.py)."""
+    q, k, v = args.q, args.k, args.v
+    B, Hq, L, E = q.shape
+    Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+    nqc = _query_chunks(B, Hkv, L, Bq, T)
+    n_units = B * Hkv * nqc
+    T = max(1, min(T, n_units))
+    ws, parts = cached_scratch(
+        ("kept", T, L, S, E, Ev, Bq, Bk, args.softcap > 0, n_units, nqc),
+        lambda: kept_workspace(T, L, S, E, Ev, Bq, Bk, PW, args.softcap, n_units, nqc))
+    plan = BwdPlan(Bq, Bk, 0, 1, T, nqc)
+    kept_kernel(numba_args(args), dout, (dq, dk, dv), plan, rows, ws, parts)
+
+
+def _recompute(args, dout, lse, dq, dk, dv, rows, T, Bq, Bk, nchunks):
+    """Key blocks outer, S and dP recomputed in the main pass (the module docstring)."""
+    q, k, v = args.q, args.k, args.v
+    B, Hq, L, E = q.shape
+    Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+    g = Hq // Hkv
+    nc = nchunks if nchunks else backward_chunks(B, Hkv, S, T, Bk)
+    # chunk length: a multiple of Bk, so only a chunk's last block is short
+    csize = -(-(-(-S // max(nc, 1))) // Bk) * Bk
+    nc = -(-S // csize)
+    n_items = B * Hkv * nc
+    T = max(1, min(T, n_items))
+    ws = workspace(q.dtype, T, g, L, E, Ev, Bq, Bk, args.softcap, n_items, nc)
+    zsum = np.empty((T, 3, g * -(-L // Bq) * (-(-Bq // MR) * MR)))
+    plan = BwdPlan(Bq, Bk, csize, nc, T, _query_chunks(B, Hkv, L, Bq, T))
+    _backward_kernel(numba_args(args), dout, lse, (dq, dk, dv), plan, rows, ws[0], zsum, ws[1:])
