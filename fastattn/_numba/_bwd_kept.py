@@ -21,14 +21,22 @@ nqc > 1 (fewer kv heads than threads) each unit leaves dk/dv partials, summed in
 import numpy as np
 from numba import njit, prange
 
-from ._bwd_ops import b_pack_a, b_pack_b, b_pack_rows, b_qk, dq_nonfinite
-from ._gemm import MR, gemm_acc_nn, gemm_acc_tn_packed
+from ._bwd_ops import b_pack_a, b_pack_b, b_pack_rows, dq_nonfinite
+from ._gemm import MR, NO_LIMIT, PW, gemm_acc_nn, gemm_acc_tn_packed, gemm_qk
 from ._hash import dropout_bh
 from ._intrinsics import FM, atomic_next, fcast, wide_vectors
 from ._scores import (
     alibi_slope, band_partial, block_status, mask_base, needs_rows, outside_band, score_units,
     sink_logit, tile_scores)
 from ._tiles import block_all_finite, norm_rows, tile_grad, tile_norm
+
+
+@njit
+def _dlim(a, j0, n, pos_first):
+    """The band's right edge inside keys j0..j0+n-1: row r (at pos_first + r) sees the columns
+    below r + dlim only (_gemm.tile_cols); NO_LIMIT when it does not cut the block."""
+    d = pos_first + a.win_right - j0 + 1
+    return d if d < n else NO_LIMIT
 
 
 @njit(cache=True, fastmath=FM, nogil=True)
@@ -114,12 +122,16 @@ def _kept_unit(u, a, dout, rows, grads, plan, ws, parts):
                 Ws, Wz = KS[jb], KZ[jb]
                 b_pack_b(kf, kbase + j0 * E, n, E, Kb)
                 b_pack_b(vf, vbase + j0 * Ev, n, Ev, Vb)
-                b_qk(Ws, TB, Qa, 0, qf, rowoff * E, E, ntq, nq, Kb, kf, kbase + j0 * E, n, ab)
+                # S and dP of the micro-tiles' keys inside the band only (dlim, as the
+                # forward's); the band pass of tile_scores masks the rest of each row, so
+                # every product of sweep 2 may skip it too
+                dlim = _dlim(a, j0, n, pos_first)
+                npan = (n + PW - 1) // PW
+                gemm_qk(Ws, TB, Qa, 0, E, ntq, Kb, 0, 0, npan, dlim)
                 if needs_rows(a, band_partial(a, j0, n, pos_first, pos_last), mstat):
                     tile_scores(Ws, 0, nq, n, j0, pos_first, a, slope, mbase, mstat,
                                 KG[jb if KG.shape[0] > 1 else 0], True)
-                b_qk(Wz, TB, Da, 0, dof, rowoff * Ev, Ev, ntq, nq, Vb, vf, vbase + j0 * Ev, n,
-                     ab)
+                gemm_qk(Wz, TB, Da, 0, Ev, ntq, Vb, 0, 0, npan, dlim)
                 tile_norm(Ws, Wz, nq, n, a, c_exp, dbh, a.dropout_row0 + i0,
                           a.dropout_col0 + j0, ms, zs, ds, 0)
             norm_rows(a, h, rows, rowoff, nq, ms, zs, ds, 0, kappa)
@@ -136,10 +148,11 @@ def _kept_unit(u, a, dout, rows, grads, plan, ws, parts):
                 Ws, Wz = KS[jb], KZ[jb]
                 tile_grad(Ws, Wz, KG[jb if KG.shape[0] > 1 else 0], nq, n, a, c_exp, rows,
                           rowoff, dbh, a.dropout_row0 + i0, a.dropout_col0 + j0)
-                gemm_acc_tn_packed(dvT, j0, Sp, Evp // MR, Dr, 0, Wz, 0, TB, nq, n)
-                gemm_acc_tn_packed(dkT, j0, Sp, Ep // MR, Qr, 0, Ws, 0, TB, nq, n)
+                dlim = _dlim(a, j0, n, pos_first)
+                gemm_acc_tn_packed(dvT, j0, Sp, Evp // MR, Dr, 0, Wz, 0, TB, nq, n, dlim)
+                gemm_acc_tn_packed(dkT, j0, Sp, Ep // MR, Qr, 0, Ws, 0, TB, nq, n, dlim)
                 if kfin[jb]:
-                    gemm_acc_nn(dqa, 0, Eld, ntq, Ws, 0, TB, kf, kbase + j0 * E, E, n, E)
+                    gemm_acc_nn(dqa, 0, Eld, ntq, Ws, 0, TB, kf, kbase + j0 * E, E, n, E, dlim)
                 else:
                     dq_nonfinite(dqa, 0, Eld, nq, Ws, n, kf, kbase + j0 * E, E, Vs, ab)
             for r in range(nq):

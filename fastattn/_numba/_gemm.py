@@ -434,46 +434,59 @@ mk_acc = _make_microkernel(MR, NV, kb=-1)
 
 
 @njit
-def gemm_acc_nn(C, coff, ldc, nrt, A, aoff, lda, B, boff, ldb, K, N):
+def gemm_acc_nn(C, coff, ldc, nrt, A, aoff, lda, B, boff, ldb, K, N, dlim=NO_LIMIT):
     """C[:nrt*MR, :N] += A[:nrt*MR, :K] . B[:K, :N] (row-major, strided rows).
     Used for dQ += dS . K; K is chunked by KC so a B chunk stays in L1.
     Full column panels pass the constant PW as ncols, so LLVM folds the
     column masks away (plain loads/stores); with the mask computed at run time
-    this non-inlined driver ran at ~105 instead of ~154 GF/s (128x64x128)."""
+    this non-inlined driver ran at ~105 instead of ~154 GF/s (128x64x128).
+    dlim (a band edge, see tile_cols): row r of A is zero from column r + dlim on, so each
+    micro-tile's chain stops at its last row's limit (the terms left out are exact zeros)."""
     no_inline()
     for k0 in range(0, K, KC):
         kc = min(KC, K - k0)
         for c0 in range(0, N, PW):
             if N - c0 >= PW:
                 for it in range(nrt):
-                    mk_acc(C, coff + it * MR * ldc + c0, ldc, A, aoff + it * MR * lda + k0, lda,
-                           1, B, boff + k0 * ldb + c0, ldb, kc, PW, True)
+                    kn = min(kc, tile_cols(it, MR, dlim) - k0)
+                    if kn > 0:
+                        mk_acc(C, coff + it * MR * ldc + c0, ldc, A, aoff + it * MR * lda + k0,
+                               lda, 1, B, boff + k0 * ldb + c0, ldb, kn, PW, True)
             else:
                 for it in range(nrt):
-                    mk_acc(C, coff + it * MR * ldc + c0, ldc, A, aoff + it * MR * lda + k0, lda,
-                           1, B, boff + k0 * ldb + c0, ldb, kc, N - c0, True)
+                    kn = min(kc, tile_cols(it, MR, dlim) - k0)
+                    if kn > 0:
+                        mk_acc(C, coff + it * MR * ldc + c0, ldc, A, aoff + it * MR * lda + k0,
+                               lda, 1, B, boff + k0 * ldb + c0, ldb, kn, N - c0, True)
 
 
 @njit
-def gemm_acc_tn_packed(C, coff, ldc, nrt, A, aoff, B, boff, ldb, K, N):
+def gemm_acc_tn_packed(C, coff, ldc, nrt, A, aoff, B, boff, ldb, K, N, dlim=NO_LIMIT):
     """C[:nrt*MR, :N] += A^T . B[:K, :N] with A^T packed per micro-tile:
     tile it holds A^T[it*MR + r, t] at A[aoff + (it*K + t)*MR + r], so each
     k-step reads MR adjacent elements and a tile streams through K*MR
     contiguous floats. (Reading a row-major A down its columns, as before,
     walked K rows per tile and touched a new cache line every k-step: dV^T
-    tile 128x64x128 ~17.6 us.)"""
+    tile 128x64x128 ~17.6 us.)
+    dlim (a band edge, see tile_cols): row t of B is zero from column t + dlim on, so the
+    chain of a column panel starting at c0 skips the rows t < c0 - dlim + 1 (exact zeros:
+    the chain starts from zero and C is added at its end, so the bits do not change)."""
     no_inline()
     for k0 in range(0, K, KC):
         kc = min(KC, K - k0)
         for c0 in range(0, N, PW):
+            ks = max(k0, c0 - dlim + 1)
+            kn = k0 + kc - ks
+            if kn <= 0:
+                continue
             if N - c0 >= PW:      # constant ncols: see gemm_acc_nn
                 for it in range(nrt):
-                    mk_acc(C, coff + it * MR * ldc + c0, ldc, A, aoff + (it * K + k0) * MR, 1,
-                           MR, B, boff + k0 * ldb + c0, ldb, kc, PW, True)
+                    mk_acc(C, coff + it * MR * ldc + c0, ldc, A, aoff + (it * K + ks) * MR, 1,
+                           MR, B, boff + ks * ldb + c0, ldb, kn, PW, True)
             else:
                 for it in range(nrt):
-                    mk_acc(C, coff + it * MR * ldc + c0, ldc, A, aoff + (it * K + k0) * MR, 1,
-                           MR, B, boff + k0 * ldb + c0, ldb, kc, N - c0, True)
+                    mk_acc(C, coff + it * MR * ldc + c0, ldc, A, aoff + (it * K + ks) * MR, 1,
+                           MR, B, boff + ks * ldb + c0, ldb, kn, N - c0, True)
 
 
 @njit(fastmath={'contract'})   # FMA in the scalar tail, like the kernels
