@@ -236,7 +236,9 @@ def kept_workspace(T, L, S, E, Ev, Bq, Bk, PW_, softcap, n_units, nqc):
     Bkp = -(-Bk // MR) * MR
     TB = max(-(-Bk // PW_) * PW_, Bkp)
     nkb = max(-(-S // Bk), 1)
-    Sp = -(-S // 16) * 16
+    # rows of the dK^T / dV^T accumulators: a multiple of 16 floats plus 16, so that S a power
+    # of two does not put every row of a micro-tile in the same L1 sets (2% at S = 2048)
+    Sp = -(-S // 16) * 16 + 16
     npan = -(-Bk // PW_)
     ws = (np.empty((T, Bqp * Eld), f32),                   # packed Q block
           np.empty((T, Bqp * Evld), f32),                  # packed dO block
