@@ -26,8 +26,8 @@ class Tuning(NamedTuple):
     bwd_block_k: int = 0             # backward: keys per (interior) block
     bwd_block_edge: int = 0          # backward (cython): keys per band-edge sub-block
     bwd_items_per_thread: int = 0    # backward (cython): split query blocks below this
-    bwd_keep_bytes: int = -1         # backward (cython): largest band tiles kept between sweeps
-    bwd_chunks: int = 0              # backward (numba): query-block chunks per kv head
+    bwd_keep_bytes: int = -1         # backward (cython, numba float32): kept tiles a thread holds
+    bwd_chunks: int = 0              # backward (numba, recomputing order): key chunks per kv head
     decode_block_k: int = 0          # decode: keys per block
     decode_use_dot: int = -1         # decode (cython): dot-product scores for <= 4 rows (0/1)
     prefetch_qk: int = 0             # decode (cython): keys per slice between prefetches

@@ -1,5 +1,10 @@
 """FlashAttention-2 backward kernel (Numba), docs/KERNELS.md.
 
+backward() runs float32 problems whose query blocks' tiles fit tuning.bwd_keep_bytes on
+_bwd_kept.py (query blocks outer, S and dP kept between the sweeps: five tile products); the rest
+(float64, the partial-keys mode, long bands) on this module's kernel, described here, which
+recomputes S and dP instead (seven products) and whose memory does not grow with the band.
+
 Work items are (batch, kv head, key chunk). An item owns its keys: for each
 key block it walks every query head of the KV group and every query block
 the causal/window band lets in, recomputes the scores, P, dP = dO . V^T, and
