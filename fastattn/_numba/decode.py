@@ -293,8 +293,27 @@ def _decode_block(a, b, hk, j0, n, qo, kf, koff, ldk, vf, voff, ldv, paged, Qs, 
     _block_pv(a, b, hk, j0, n, vf, voff, ldv, paged, fast, Pb, acc, R, ab, Vc)
 
 
+@njit(nogil=True)
+def _item_scratch(a, plan):
+    """A worker's scratch for _decode_item, allocated once per call rather than per item (12
+    tiny items of an MHA decode spent ~1 us each on allocations)."""
+    q = a.q
+    B, Hq, L, E = q.shape
+    R = (Hq // a.Hkv) * L
+    Eld = max(E, 1)
+    Evld = max(a.Ev, 1)
+    Bk = plan.Bk
+    Rp = ((R + MR - 1) // MR) * MR
+    low = a.kv_kind != 0
+    return (np.empty((R, Eld), q.dtype), np.empty(Eld * R, q.dtype), np.empty(Bk * R, q.dtype),
+            np.empty((R, Bk), q.dtype), np.empty((Rp, Bk), q.dtype),
+            np.empty((Rp, Evld), q.dtype), np.empty(R, q.dtype), np.empty(R, q.dtype),
+            np.empty(min(Bk, LOWP_SUB_KEYS) * Eld if low else 1, q.dtype),
+            np.empty(Bk * Evld if low else 1, q.dtype))
+
+
 @njit(cache=True, fastmath=FM, nogil=True)
-def _decode_item(it, a, plan, pm, pl, pacc):
+def _decode_item(it, a, plan, pm, pl, pacc, ws):
     """Item `it` = (batch, kv head, key chunk) of the call `a` (_record.NumbaArgs): the scores
     of every query row of the KV group against the chunk's keys, left as partials (running
     max, sum, unnormalized acc) in pm/pl/pacc[it] for _decode_merge. The keys are sequence b's
@@ -323,27 +342,20 @@ def _decode_item(it, a, plan, pm, pl, pacc):
     # are contiguous in q, and the heads of a group are adjacent, so the
     # whole group is one contiguous (R, E) slab of q.
     # rows padded to whole micro-tiles for the float32 P.V kernel
-    Rp = ((R + MR - 1) // MR) * MR
-    Qs = np.empty((R, Eld), q.dtype)
-    Qt = np.empty(Eld * R, q.dtype)
+    # the worker's scratch (_item_scratch); acc, m and lsum start afresh for each item.
+    # Kc/Vc: a low-precision cache's keys/values converted (_decode_block_kv)
+    Qs, Qt, SbT, Sb, Pb, acc, m, lsum, Kc, Vc = ws
     qoff = (b * Hq + hk * g) * L * E
     for r in range(R):
         for t in range(E):
             Qs[r, t] = qf[qoff + r * E + t]
             Qt[t * R + r] = qf[qoff + r * E + t]
-    SbT = np.empty(Bk * R, q.dtype)
-    Sb = np.empty((R, Bk), q.dtype)
-    Pb = np.empty((Rp, Bk), q.dtype)
-    acc = np.zeros((Rp, Evld), q.dtype)
-    m = np.full(R, fcast(q, -np.inf), q.dtype)
-    lsum = np.zeros(R, q.dtype)
+    acc[:] = 0
+    m[:] = fcast(q, -np.inf)
+    lsum[:] = 0
     ab = np.empty(2, q.dtype)
     ab[0] = fcast(q, 1.0)
     ab[1] = fcast(q, 0.0)
-    # a low-precision cache: the block's keys/values converted (_decode_block_kv)
-    low = a.kv_kind != 0
-    Kc = np.empty(min(Bk, LOWP_SUB_KEYS) * Eld if low else 1, q.dtype)
-    Vc = np.empty(Bk * Evld if low else 1, q.dtype)
 
     # union of the rows' bands, clipped to this chunk and to the sequence's keys
     qo = seq_q_offset(a, b)
@@ -521,6 +533,7 @@ def _decode_kernel(a, out, lse, plan):
     # heads together: one loop iteration is (batch, chunk) for every kv head
     n_loop = B * nchunks if plan.heads else n_items
     for w in prange(min(plan.nthreads, n_loop)):
+        ws = _item_scratch(a, plan)
         while True:
             it = atomic_next(counter)
             if it >= n_loop:
@@ -528,7 +541,7 @@ def _decode_kernel(a, out, lse, plan):
             if plan.heads:
                 _decode_heads_item(it, a, plan, pm, pl, pacc)
             else:
-                _decode_item(it, a, plan, pm, pl, pacc)
+                _decode_item(it, a, plan, pm, pl, pacc, ws)
     kappa = score_units(a)[2]
     for bk in prange(B * Hkv):
         _decode_merge(bk, a, plan, pm, pl, pacc, out, lse, kappa)
