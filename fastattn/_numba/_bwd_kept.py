@@ -64,7 +64,7 @@ def _kept_unit(u, a, dout, rows, grads, plan, ws, parts):
     kf = k.reshape(-1)
     vf = v.reshape(-1)
     dof = dout.reshape(-1)
-    to_nat, c_exp, kappa = score_units(a)
+    c_exp, kappa = score_units(a)[1:]
     zero = fcast(q, 0.0)
     sc = fcast(q, a.scale)
     ab = np.empty(2, q.dtype)                 # alpha/beta of the products' common signature
@@ -220,32 +220,32 @@ def kept_kernel(a, dout, grads, plan, rows, ws, parts):
             _merge_parts(x, nqc, parts, dkf, dvf, fcast(q, a.scale), S, E, Ev)
 
 
-def kept_bytes(Bq, Bk, S, PW_, softcap):
+def kept_bytes(Bq, Bk, S, softcap):
     """Bytes of kept tiles a worker needs (float32): every key block of a query block's band."""
     Bqp = -(-Bq // MR) * MR
-    TB = max(-(-Bk // PW_) * PW_, -(-Bk // MR) * MR)
+    TB = max(-(-Bk // PW) * PW, -(-Bk // MR) * MR)
     return -(-S // Bk) * Bqp * TB * 4 * (3 if softcap > 0 else 2)
 
 
-def kept_workspace(T, L, S, E, Ev, Bq, Bk, PW_, softcap, n_units, nqc):
+def kept_workspace(T, L, S, E, Ev, Bq, Bk, softcap, n_units, nqc):
     """Per-worker scratch of kept_kernel (float32) and the dk/dv partials (nqc > 1)."""
     f32 = np.float32
     Eld, Evld = max(E, 1), max(Ev, 1)
     Ep, Evp = -(-E // MR) * MR, -(-Ev // MR) * MR
     Bqp = -(-Bq // MR) * MR
     Bkp = -(-Bk // MR) * MR
-    TB = max(-(-Bk // PW_) * PW_, Bkp)
+    TB = max(-(-Bk // PW) * PW, Bkp)
     nkb = max(-(-S // Bk), 1)
     # rows of the dK^T / dV^T accumulators: a multiple of 16 floats plus 16, so that S a power
     # of two does not put every row of a micro-tile in the same L1 sets (2% at S = 2048)
     Sp = -(-S // 16) * 16 + 16
-    npan = -(-Bk // PW_)
+    npan = -(-Bk // PW)
     ws = (np.empty((T, Bqp * Eld), f32),                   # packed Q block
           np.empty((T, Bqp * Evld), f32),                  # packed dO block
           np.empty((T, Bqp * max(Ep, 1)), f32),            # Q rows, tile-packed for dK^T
           np.empty((T, Bqp * max(Evp, 1)), f32),           # dO rows, for dV^T
-          np.empty((T, max(npan * PW_, Bkp) * Eld), f32),  # K panels of a key block
-          np.empty((T, max(npan * PW_, Bkp) * Evld), f32),  # V panels
+          np.empty((T, max(npan * PW, Bkp) * Eld), f32),  # K panels of a key block
+          np.empty((T, max(npan * PW, Bkp) * Evld), f32),  # V panels
           np.empty((T, nkb, Bqp, TB), f32),                # kept S -> dS tiles
           np.empty((T, nkb, Bqp, TB), f32),                # kept dP -> Pd tiles
           np.empty((T, nkb if softcap > 0 else 1, Bqp if softcap > 0 else 1,

@@ -471,8 +471,7 @@ def backward(args, dout, out, lse, dq, dk, dv, dsinks):
         raise ValueError("attention kernel: numba's backward does not read a KV cache in place "
                          "(strided k/v, seqlens or a block table)")
     B, Hq, L, E = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    Ev = v.shape[3]
+    S = k.shape[2]
     t = args.tuning
     Bq = positive("bwd_block_q", t.bwd_block_q, 128)
     Bk = positive("bwd_block_k", t.bwd_block_k, 128)
@@ -493,7 +492,7 @@ def backward(args, dout, out, lse, dq, dk, dv, dsinks):
             np.empty(B * Hq * L if args.has_sinks else 1, np.float64))
     with blas_single_thread, numba_threads(args.n_threads) as T:
         if (q.dtype == np.float32 and not args.has_delta and kept_bytes(
-                Bq, Bk, S, PW, args.softcap) <= (KEEP_BYTES if keep == -1 else keep)):
+                Bq, Bk, S, args.softcap) <= (KEEP_BYTES if keep == -1 else keep)):
             _kept(args, dout, dq, dk, dv, rows, T, Bq, Bk)
         else:
             _recompute(args, dout, lse, dq, dk, dv, rows, T, Bq, Bk, nchunks)
@@ -520,7 +519,7 @@ def _kept(args, dout, dq, dk, dv, rows, T, Bq, Bk):
     T = max(1, min(T, n_units))
     ws, parts = cached_scratch(
         ("kept", T, L, S, E, Ev, Bq, Bk, args.softcap > 0, n_units, nqc),
-        lambda: kept_workspace(T, L, S, E, Ev, Bq, Bk, PW, args.softcap, n_units, nqc))
+        lambda: kept_workspace(T, L, S, E, Ev, Bq, Bk, args.softcap, n_units, nqc))
     plan = BwdPlan(Bq, Bk, 0, 1, T, nqc)
     kept_kernel(numba_args(args), dout, (dq, dk, dv), plan, rows, ws, parts)
 

@@ -326,8 +326,6 @@ def _decode_item(it, a, plan, pm, pl, pacc, ws):
     Ev = a.Ev
     g = Hq // Hkv
     R = g * L
-    Eld = max(E, 1)
-    Evld = max(Ev, 1)
     qf = q.reshape(-1)
     kf = k.reshape(-1)
     vf = v.reshape(-1)
