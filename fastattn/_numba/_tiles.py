@@ -353,11 +353,15 @@ def block_all_finite(vflat, off, cnt):
 
     sum(x*0) is 0 for finite x and NaN otherwise; without 'nnan'/'ninf' LLVM
     may not fold x*0 to 0, and the reduction vectorizes (cheap next to the
-    block's GEMM)."""
+    block's GEMM). It reads a slice: indexed as vflat[off + t], each element
+    went through numba's negative-index wraparound and the loop stayed scalar
+    (0.47 against 0.034 ns an element; 3.6% of a causal forward's samples at
+    L = S = 1024, where every diagonal block is checked)."""
     wide_vectors()
+    w = vflat[off:off + cnt]
     z = fcast(vflat, 0.0)
-    for t in range(cnt):
-        z += vflat[off + t] * fcast(vflat, 0.0)
+    for t in range(w.size):
+        z += w[t] * fcast(vflat, 0.0)
     return z == fcast(vflat, 0.0)
 
 
