@@ -320,6 +320,8 @@ BAND_CASES = {
     "window": dict(window=(50, 20)),
     "causal_bool": dict(is_causal=True, mask="bool"),
     "causal_softcap_dropout": dict(is_causal=True, softcap=3.0, dropout_p=0.3, rng=5),
+    # the score pipeline's other passes also stop at a micro-tile's columns (tile_scores, dlim)
+    "causal_alibi_float_mask": dict(is_causal=True, mask="float", alibi_slopes=np.array([0.3, 0.05])),
     # NaN/Inf in V rows that only later queries attend: earlier rows must not see them
     "causal_nan_v": dict(is_causal=True, nan_v=True),
 }
@@ -342,8 +344,11 @@ def test_forward_kernel_band_edges_inside_blocks(case, dtype, blocks):
     B, H, E = 1, 2, 40
     L, S = c.pop("L", 300), c.pop("S", 300)
     q, k, v = (rng.standard_normal((B, H, n, E)).astype(dtype) for n in (L, S, S))
-    if c.pop("mask", None):
+    mask = c.pop("mask", None)
+    if mask == "bool":
         c["attn_mask"] = rng.random((B, 1, L, S)) > 0.3
+    elif mask == "float":
+        c["attn_mask"] = rng.standard_normal((B, 1, L, S))
     if c.pop("nan_v", False):
         v[:, 0, 250] = np.nan
         v[:, 1, 201, 3] = np.inf

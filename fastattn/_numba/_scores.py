@@ -22,6 +22,7 @@ import numpy as np
 from numba import njit
 
 from ._exp import LOG2E, tanhv
+from ._gemm import MR, NO_LIMIT, tile_cols
 from ._intrinsics import FM, fcast, wide_vectors
 
 
@@ -155,14 +156,18 @@ def group_block_status(a, b, h0, g, nq, j0, n):
 
 
 @njit(fastmath=FM)
-def tile_scores(S, r0, r1, n, j0, pos0, a, slope, mbase, mstat, Gc, save_grad):
+def tile_scores(S, r0, r1, n, j0, pos0, a, slope, mbase, mstat, Gc, save_grad,
+                dlim=NO_LIMIT):
     """The score pipeline on rows r0..r1-1 of a tile of raw products S[r, :n] (keys j0..), in
     order: scale (only for a natural tile, see score_units), softcap, ALiBi (slope of the rows'
     head), float mask, bool mask (only in a mixed block, mstat == 2), band. Row r sits at
     position pos0 + (r - r0) and reads mask entries at mbase + (r - r0)*msL + j*msS. Each step is
     a separate vectorized loop; steps the block does not need are skipped. Replacement (not
     addition) of -inf keeps NaN scores of masked keys out. With save_grad (backward), softcap's
-    derivative 1 - tanh**2 goes to Gc[r, j]."""
+    derivative 1 - tanh**2 goes to Gc[r, j]. With dlim (the band's right edge inside the block,
+    as the forward's products and tile_online take it), row r covers only the columns of its
+    micro-tile (rows counted from r0): the float32 products left the rest unwritten and nothing
+    reads it, so masking it was a pass over half of every diagonal block for nothing."""
     wide_vectors()
     ninf = fcast(S, -np.inf)
     sc = fcast(S, a.scale)
@@ -187,60 +192,61 @@ def tile_scores(S, r0, r1, n, j0, pos0, a, slope, mbase, mstat, Gc, save_grad):
     for r in range(r0, r1):
         d = r - r0
         pos = pos0 + d
+        nr = n if dlim == NO_LIMIT else max(0, min(n, tile_cols(d // MR, MR, dlim)))
         if cap_inf:
-            for j in range(n):
+            for j in range(nr):
                 S[r, j] = S[r, j] * sc
                 if save_grad:
                     Gc[r, j] = fcast(S, 1.0)
         elif cap_tiny:
-            for j in range(n):
+            for j in range(nr):
                 th = math.tanh(np.float64(S[r, j] * sc) / c64)
                 S[r, j] = fcast(S, c64 * th)
                 if save_grad:
                     Gc[r, j] = fcast(S, 1.0 - th * th)
         elif use_cap and save_grad:
-            for j in range(n):
+            for j in range(nr):
                 th = tanhv((S[r, j] * sc) / cap)
                 S[r, j] = cap * th
                 Gc[r, j] = fcast(S, 1.0) - th * th
         elif use_cap:
-            for j in range(n):
+            for j in range(nr):
                 S[r, j] = cap * tanhv((S[r, j] * sc) / cap)
         elif to_nat:
-            for j in range(n):
+            for j in range(nr):
                 S[r, j] = S[r, j] * sc
         if has_alibi:
-            for j in range(n):
+            for j in range(nr):
                 S[r, j] = S[r, j] - slope * fcast(S, abs(pos - (j0 + j)))
         mo = mbase + d * sL
         if mask_kind == 2:
             if sS == 0:
                 mv = mff[mo]
                 if mv == ninf:
-                    for j in range(n):
+                    for j in range(nr):
                         S[r, j] = ninf
                 else:
-                    for j in range(n):
+                    for j in range(nr):
                         S[r, j] = S[r, j] + mv
             else:
-                for j in range(n):
+                for j in range(nr):
                     mv = mff[mo + j]
                     S[r, j] = ninf if mv == ninf else S[r, j] + mv
         elif mask_kind == 1 and mstat == 2:
             if sS == 0:
                 if mbf[mo] == 0:
-                    for j in range(n):
+                    for j in range(nr):
                         S[r, j] = ninf
             else:
-                for j in range(n):
+                for j in range(nr):
                     S[r, j] = ninf if mbf[mo + j] == 0 else S[r, j]
         if partial:
             # allowed columns [lo, hi): j0 + j in [pos - win_left, pos + win_right]
-            lo = min(max(pos - a.win_left - j0, 0), n)
-            hi = min(max(pos + a.win_right - j0 + 1, 0), n)
+            lo = min(max(pos - a.win_left - j0, 0), nr)
+            hi = min(max(pos + a.win_right - j0 + 1, 0), nr)
             if hi < lo:
                 hi = lo
             for j in range(0, lo):
                 S[r, j] = ninf
-            for j in range(hi, n):
+            for j in range(hi, nr):
                 S[r, j] = ninf

@@ -249,9 +249,10 @@ def _forward_item(it, a, out, lse, plan, Kp, ws, pf_it):
             continue
         partial = band_partial(a, j0, n, pos_first, pos_last)
         # the band's right edge cuts the block: row r needs the keys below r + dlim only. The
-        # float32 products and the softmax then skip, per micro-tile, what none of its rows
-        # needs (the diagonal block of a causal item: ~12% of L = S = 2048's tiles); the band
-        # pass of tile_scores masks the rest of each row. BLAS (float64) does whole blocks.
+        # float32 products, the score pipeline and the softmax then skip, per micro-tile, what
+        # none of its rows needs (the diagonal block of a causal item: ~12% of L = S = 2048's
+        # tiles); the band pass of tile_scores masks the rest of each micro-tile's rows. BLAS
+        # (float64) does whole blocks.
         dlim = NO_LIMIT
         if _packed(q) and pos_first + a.win_right - j0 + 1 < n:
             dlim = pos_first + a.win_right - j0 + 1
@@ -281,7 +282,7 @@ def _forward_item(it, a, out, lse, plan, Kp, ws, pf_it):
                 (b * Hkv + hk) * ((S + PW - 1) // PW) * E * PW, ab, dlim)
 
         if needs_rows(a, partial, mstat):
-            tile_scores(Sb, 0, nq, n, j0, pos_first, a, slope, mbase, mstat, Sb, False)
+            tile_scores(Sb, 0, nq, n, j0, pos_first, a, slope, mbase, mstat, Sb, False, dlim)
         if j0 + Bk > jhi and pf_it >= 0:
             # last key block: softmax in row chunks, prefetching between them
             for c in range(pf_nch):
