@@ -91,6 +91,53 @@ def test_every_simd_copy(K, level, threads, kernel, dtype, option, L, S):
     check(K, kernel, threads, q, k, v, **kw)
 
 
+# Band segments (csrc/forward.pxi attend_block): in a key block that the band's right edge cuts,
+# lanes at consecutive positions take each 32-key segment for their own panels only. Blocks of
+# 96 keys put such blocks after others in an item and end segments off fa_qk's 12-key strips
+# (its whole-strip stores once ran past the score buffer into O); an Inf in V under a key the
+# earlier lanes must not see sends the exact P·V through the segments too.
+BAND_CASES = {
+    "causal": (410, 410, dict(is_causal=True)),
+    "causal_br": (300, 700, dict(is_causal=True, causal_alignment="bottom_right")),
+    "causal_float_mask": (410, 410, "float"),
+    "window": (410, 500, dict(window=(70, 5))),
+    "inf_value": (410, 410, "inf"),
+}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("block_k", [0, 96])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", list(BAND_CASES))
+def test_forward_band_segments_every_simd_copy(K, level, threads, block_k, dtype, case):
+    L, S, kw = BAND_CASES[case]
+    rng = np.random.default_rng(L + S + block_k)
+    q, k, v = randn(rng, (1, 2, L, 80), dtype), randn(rng, (1, 1, S, 80), dtype), randn(rng, (1, 1, S, 40), dtype)
+    if kw == "float":
+        kw = dict(is_causal=True, attn_mask=rng.standard_normal((L, S)))
+    elif kw == "inf":
+        v[0, 0, 250, 3] = np.inf           # a diagonal block's key: rows 250.. see it, rows < 250 not
+        kw = dict(is_causal=True)
+    with tuning(block_k=block_k), np.errstate(invalid="ignore"):   # the reference's inf * 0
+        check(K, "forward", threads, q, k, v, **kw)
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_forward_band_segments_same_bits_for_any_query_block(K, level, alignment):
+    # a row's sums do not depend on which lanes share its item, however the band splits them
+    rng = np.random.default_rng(3)
+    q, k, v = randn(rng, (1, 2, 700, 64), np.float32), randn(rng, (1, 2, 900, 64), np.float32), randn(rng, (1, 2, 900, 64), np.float32)
+    outs = []
+    for bq in (96, 192, 288):
+        with tuning(block_q_banded=bq):
+            outs.append(fa.scaled_dot_product_attention(q, k, v, is_causal=True, causal_alignment=alignment,
+                                                        backend="cython"))
+    assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
+    assert_close_to_reference(outs[0], reference.scaled_dot_product_attention(q, k, v, is_causal=True,
+                              causal_alignment=alignment), reference.scaled_dot_product_attention(
+                              q, k, v, is_causal=True, causal_alignment=alignment, dtype=np.float32), np.float32)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("G", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("E,Ev", [(8, 16), (64, 64), (128, 128), (256, 24)])
