@@ -1036,3 +1036,99 @@ def test_partial_keys_backward_dsinks_from_the_given_lse_and_delta():
     want = _nb().backward(p, g, out, lse)
     for a, b in zip((dq, dk, dv, dsinks), want):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------
+# one parallel region a decode call: the worker finishing a (batch, kv head)'s last key chunk
+# merges it (atomic_count), no second region
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("layout", ["heads_apart", "heads_side_by_side"])
+def test_decode_last_chunk_merges_its_group(layout, dtype):
+    """Keys split in chunks across two threads: each group's chunks are merged by whichever
+    worker finishes its last one. A merge that read a chunk before its partials were written
+    (or counters that did not start at 0) would give wrong or varying results: 25 calls must
+    give the same bits, close to the float64 reference, with lengths that leave some chunks of
+    a sequence empty."""
+    from helpers import assert_close_to_reference
+
+    from fastattn import reference
+    from fastattn._backends._kernel_args import forward_outputs, kernel_args
+    from fastattn._inputs import make_cache_problem
+    from fastattn._numba import decode as dec
+    from fastattn._tuning import tuning
+
+    rng = np.random.default_rng(11)
+    # heads apart, (B, Hkv, S, E): items by kv head, and 3 groups on 2 threads split in 2
+    # chunks (decode_chunks); side by side: items take every kv head, 4 chunks a sequence
+    B, Hq, Hkv, L, S, E = (3, 4, 1, 2, 4200, 16) if layout == "heads_apart" else (
+        3, 6, 3, 2, 4200, 16)
+    q = rng.standard_normal((B, Hq, L, E)).astype(dtype)
+    if layout == "heads_apart":
+        k = rng.standard_normal((B, Hkv, S, E)).astype(dtype)
+        v = rng.standard_normal((B, Hkv, S, E)).astype(dtype)
+    else:                             # flash layout read in place: items take every kv head
+        k = rng.standard_normal((B, S, Hkv, E)).astype(dtype).transpose(0, 2, 1, 3)
+        v = rng.standard_normal((B, S, Hkv, E)).astype(dtype).transpose(0, 2, 1, 3)
+    lens = np.array([S, 1500, 7], np.int32)
+    p = make_cache_problem(q, k, v, seqlens=lens)
+    runs = []
+    for _ in range(25):
+        out, lse = forward_outputs(p)
+        with tuning(decode_block_k=64):
+            dec.decode(kernel_args(p, 2), out, lse)
+        runs.append((out, lse))
+    for out, lse in runs[1:]:
+        assert np.array_equal(out, runs[0][0]) and np.array_equal(lse, runs[0][1])
+    for b in range(B):
+        n = int(lens[b])
+        kw = dict(is_causal=True, causal_alignment="bottom_right", enable_gqa=True,
+                  return_lse=True)
+        kb, vb = k[b:b + 1, :, :n], v[b:b + 1, :, :n]
+        want = reference.scaled_dot_product_attention(q[b:b + 1], kb, vb, **kw)
+        naive = reference.scaled_dot_product_attention(q[b:b + 1], kb, vb, dtype=dtype, **kw)
+        for got, w, nv, what in zip((runs[0][0][b:b + 1], runs[0][1][b:b + 1]), want, naive,
+                                    ("out", "lse")):
+            assert_close_to_reference(got, w, nv, dtype, f"{what} of sequence {b}")
+
+
+def test_parallel_kernels_make_no_hidden_parallel_loops():
+    """Under parallel=True numba turns np.zeros / np.ones / np.full (and their _like forms) in
+    the kernel's own body into parallel loops: each one more wake and join of the thread pool
+    in every call (30-50 us on two threads with the pool waiting passively; the decode kernel
+    ran three regions a call for one it needed). The kernels take zeroed counters from
+    _intrinsics.counters instead; this reads their source, as numba would."""
+    import ast
+    import inspect
+
+    from fastattn._numba import _bwd_kept, backward, decode, forward, softmax
+
+    creators = {"zeros", "ones", "full", "zeros_like", "ones_like", "full_like"}
+    kernels = [forward._forward_kernel, decode._decode_kernel, backward._backward_kernel,
+               _bwd_kept.kept_kernel, softmax._softmax_kernel]
+    for kern in kernels:
+        tree = ast.parse(inspect.getsource(kern.py_func).lstrip())
+        fn = tree.body[0]
+        assert any(isinstance(d, ast.Call) and any(kw.arg == "parallel" for kw in d.keywords)
+                   for d in fn.decorator_list), kern.py_func.__name__
+        found = [node.func.attr for node in ast.walk(fn)
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                 and node.func.attr in creators]
+        assert not found, f"{kern.py_func.__name__} calls np.{found[0]}"
+
+
+def test_counters_start_at_zero():
+    from fastattn._numba._intrinsics import atomic_count, counters
+
+    @njit
+    def count(n, reps):
+        c = counters(n)
+        last = np.empty(n, np.int64)
+        for _ in range(reps):
+            for i in range(n):
+                last[i] = atomic_count(c, i)
+        return c, last
+
+    for n in (1, 5, 64):
+        c, last = count(n, 3)
+        assert np.array_equal(c, np.full(n, 3)) and np.array_equal(last, np.full(n, 2))

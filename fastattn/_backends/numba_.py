@@ -75,13 +75,15 @@ class NumbaBackend(CompiledBackend):
         self._softmax_kernel = softmax.softmax_rows
         # Decode reading fewer K/V bytes than this runs with one thread while numba's OpenMP
         # pool waits passively (fastattn's default): a parallel region wakes a sleeping worker
-        # and waits for it at its end, ~100 us a call on this VM, more than the second thread
-        # saves below ~12 MB. MHA decode 12 heads d64
-        # float32, Zen 4 guest, best of 5 x 200 calls, one thread against two: 16 keys 40 /
-        # 140 us, 1024 keys (6.3 MB) 165 / 244, 2048 (12.6 MB) 322 / 310, 4096 913 / 613. A
-        # spinning pool (the user's OMP_WAIT_POLICY, torch's libgomp loaded first) keeps both.
+        # and waits for it at its end, 30-50 us a region on this VM, more than the second
+        # thread saves below ~4 MB. MHA decode 12 heads d64 float32, Zen 4 guest, one thread
+        # against two, interleaved in one process (medians of 7 batches), since the decode
+        # kernel runs one region a call (it ran three: 8 MiB was the bound then): 512 keys
+        # (3.1 MB) 101 / 100 us, 640 keys 117 / 118, 768 (4.7 MB) 133 / 129, 1024 (6.3 MB)
+        # 164 / 146, 2048 326 / 250. A spinning pool (the user's OMP_WAIT_POLICY, torch's
+        # libgomp loaded first) keeps both threads.
         if _process.openmp_passive() is not False:
-            self.serial_decode_bytes = 8 << 20
+            self.serial_decode_bytes = 4 << 20
 
     # float16, bfloat16 and int8 caches: the decode reads them (a key block at a time converted,
     # fastattn/_numba/_kvconv.py); the tiled forward (prefill, more query rows) does not

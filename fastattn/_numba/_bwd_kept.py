@@ -24,7 +24,7 @@ from numba import njit, prange
 from ._bwd_ops import b_pack_a, b_pack_b, b_pack_rows, dq_nonfinite
 from ._gemm import MR, NO_LIMIT, PW, gemm_acc_nn, gemm_acc_tn_packed, gemm_qk
 from ._hash import dropout_bh
-from ._intrinsics import FM, atomic_next, fcast, wide_vectors
+from ._intrinsics import FM, atomic_next, counters, fcast, wide_vectors
 from ._scores import (
     alibi_slope, band_partial, block_status, mask_base, needs_rows, outside_band, score_units,
     sink_logit, tile_scores)
@@ -206,7 +206,7 @@ def kept_kernel(a, dout, grads, plan, rows, ws, parts):
     dkf = dk.reshape(-1)
     dvf = dv.reshape(-1)
     wQ, wD, wQr, wDr, wK, wV, wS, wZ, wG, wdk, wdv, wdq, wVs, wused, wfin, wacc = ws
-    counter = np.zeros(1, np.int64)
+    counter = counters(1)
     for w in prange(min(plan.nthreads, n_units)):
         while True:
             u = atomic_next(counter)

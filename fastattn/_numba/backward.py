@@ -48,7 +48,7 @@ from ._bwd_kept import kept_bytes, kept_kernel, kept_workspace
 from ._bwd_ops import b_nn, b_pack_a, b_pack_b, b_pack_rows, b_qk, b_tn, dq_nonfinite
 from ._gemm import MR, PW
 from ._hash import dropout_bh
-from ._intrinsics import FM, atomic_next, fcast, wide_vectors
+from ._intrinsics import FM, atomic_next, counters, fcast, wide_vectors
 from ._record import numba_args, positive
 from ._scores import (
     alibi_slope, band_partial, block_status, mask_base, needs_rows, outside_band, score_units,
@@ -368,20 +368,22 @@ def _backward_kernel(a, dout, lse, grads, plan, rows, dqp, zsum, ws):
     # kv head, chunk of query blocks), chunks only when B*Hkv alone cannot keep
     # every thread busy
     n_units = 0 if a.has_delta else B * Hkv * plan.nqc
-    ucount = np.zeros(1, np.int64)
-    for w in prange(min(nthreads, n_units)):
-        while True:
-            u = atomic_next(ucount)
-            if u >= n_units:
-                break
-            _norm_unit(u, a, dout, rows, plan, (wQ[w], wD[w], wK[w], wV[w], wS[w], wZ[w], wG[w]),
-                       zsum[w, 0], zsum[w, 1], zsum[w, 2])
+    ucount = counters(1)
+    if n_units > 0:                       # (a prange of no iterations still wakes the pool)
+        for w in prange(min(nthreads, n_units)):
+            while True:
+                u = atomic_next(ucount)
+                if u >= n_units:
+                    break
+                _norm_unit(u, a, dout, rows, plan,
+                           (wQ[w], wD[w], wK[w], wV[w], wS[w], wZ[w], wG[w]),
+                           zsum[w, 0], zsum[w, 1], zsum[w, 2])
     n_items = B * Hkv * plan.nchunks
     dkf = dk.reshape(-1)
     dvf = dv.reshape(-1)
     # one prange iteration per worker; workers claim items from an atomic
     # counter (the item -> result mapping is fixed, so timing cannot change bits)
-    counter = np.zeros(1, np.int64)
+    counter = counters(1)
     for w in prange(min(nthreads, n_items)):
         while True:
             it = atomic_next(counter)

@@ -24,7 +24,8 @@ from numba.extending import overload
 from ._blas import blas_single_thread, gemm_nn, gemm_nt, numba_threads, prime_blas
 from ._exp import exp2v
 from ._hash import dropout_bh, dropout_threshold_nb
-from ._intrinsics import FM, HAVE_F16C, atomic_next, fcast, fmax_nan, wide_vectors
+from ._intrinsics import (
+    FM, HAVE_F16C, atomic_count, atomic_next, counters, fcast, fmax_nan, wide_vectors)
 from ._kv import gather_v, kv_run, rows_all_finite, seq_keys, seq_q_offset
 from ._kvconv import convert_rows, key_scale
 from ._record import numba_args, positive
@@ -527,22 +528,33 @@ def _decode_kernel(a, out, lse, plan):
     pacc = np.empty((n_items, R, max(Ev, 1)), a.q.dtype)
     # workers claim items dynamically (see forward): decode items are few and
     # large, so one slow thread would otherwise set the call's time
-    counter = np.zeros(1, np.int64)
+    counter = counters(1)
     # heads together: one loop iteration is (batch, chunk) for every kv head
     n_loop = B * nchunks if plan.heads else n_items
+    # Chunks finished per (batch, kv head), per batch when an item takes every kv head: the
+    # worker that finishes a group's last chunk merges it (atomic_count orders the other
+    # chunks' partials before it). A merge in a second parallel region woke the passive pool
+    # a second time and waited for it again: ~80 us a call on two threads here.
+    done = counters(B if plan.heads else B * Hkv)
+    kappa = score_units(a)[2]
     for w in prange(min(plan.nthreads, n_loop)):
         ws = _item_scratch(a, plan)
         while True:
             it = atomic_next(counter)
             if it >= n_loop:
                 break
+            grp = it // nchunks
             if plan.heads:
                 _decode_heads_item(it, a, plan, pm, pl, pacc)
             else:
                 _decode_item(it, a, plan, pm, pl, pacc, ws)
-    kappa = score_units(a)[2]
-    for bk in prange(B * Hkv):
-        _decode_merge(bk, a, plan, pm, pl, pacc, out, lse, kappa)
+            if nchunks > 1 and atomic_count(done, grp) < nchunks - 1:
+                continue
+            if plan.heads:
+                for hk in range(Hkv):
+                    _decode_merge(grp * Hkv + hk, a, plan, pm, pl, pacc, out, lse, kappa)
+            else:
+                _decode_merge(grp, a, plan, pm, pl, pacc, out, lse, kappa)
 
 
 def decode_chunks(B, Hkv, S, n_threads, Bk):

@@ -19,7 +19,7 @@ from numba.extending import overload
 
 from ._blas import blas_single_thread, gemm_nn, gemm_nt, numba_threads, prime_blas
 from ._hash import dropout_bh, dropout_threshold_nb
-from ._intrinsics import FM, atomic_next, fcast, prefetch_l2, wide_vectors
+from ._intrinsics import FM, atomic_next, counters, fcast, prefetch_l2, wide_vectors
 from ._kv import gather_k, gather_v, seq_keys, seq_q_offset
 from ._record import numba_args, positive
 from ._scores import (
@@ -347,8 +347,9 @@ def _forward_kernel(a, out, lse, plan, Kp, ws):
     # up to whole panels); float64 gets a dummy and no pass.
     npan = (S + PW - 1) // PW
     packed = _packed(q)
-    for x in prange(B * Hkv * npan if (packed and not plan.local_pack) else 0):
-        _pack_k(k, Kp, x)
+    if packed and not plan.local_pack:    # (a prange of no iterations still wakes the pool)
+        for x in prange(B * Hkv * npan):
+            _pack_k(k, Kp, x)
     n_items = B * Hq * nqb
     wQ, wS, wP, wA, wM, wL, wK, wKg, wVg = ws
     T = wQ.shape[0]
@@ -359,7 +360,7 @@ def _forward_kernel(a, out, lse, plan, Kp, ws):
     # Away from the end a worker claims its next item before running the
     # current one, so the current one can prefetch the next one's data; near
     # the end it claims after, so no item waits behind a busy worker.
-    counter = np.zeros(1, np.int64)
+    counter = counters(1)
     for w in prange(T):
         it = atomic_next(counter)
         while it < n_items:
