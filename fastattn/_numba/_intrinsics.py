@@ -9,6 +9,7 @@ fastmath is never True in these kernels (it implies 'ninf'/'nnan' and breaks
 -inf masks); FM below is the safe subset.
 """
 import os
+import platform
 
 import llvmlite.binding as llb
 import numpy as np
@@ -196,6 +197,37 @@ def atomic_count(typingctx, counter, idx):
         return builder.atomic_rmw('add', builder.gep(ary.data, [i]),
                                   ir.Constant(ir.IntType(64), 1), 'acq_rel')
     return types.int64(counter, idx), codegen
+
+
+@intrinsic
+def atomic_read(typingctx, counter, idx):
+    """counter[idx] (int64 array) read atomically, ordered acquire: a worker that sees another's
+    atomic_count sees the writes that worker made before counting."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64
+            and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        i = context.cast(builder, args[1], signature.args[1], types.intp)
+        return builder.load_atomic(builder.gep(ary.data, [i]), 'acquire', 8)
+    return types.int64(counter, idx), codegen
+
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+@intrinsic
+def spin_pause(typingctx):
+    """The x86 PAUSE hint in a spin-wait loop (the core's sibling and power get the cycles); no
+    instruction elsewhere."""
+    def codegen(context, builder, signature, args):
+        if _X86:
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
+            builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.none(), codegen
 
 
 @intrinsic

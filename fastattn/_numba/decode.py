@@ -310,7 +310,7 @@ def _item_scratch(a, plan):
             np.empty((R, Bk), q.dtype), np.empty((Rp, Bk), q.dtype),
             np.empty((Rp, Evld), q.dtype), np.empty(R, q.dtype), np.empty(R, q.dtype),
             np.empty(min(Bk, LOWP_SUB_KEYS) * Eld if low else 1, q.dtype),
-            np.empty(Bk * Evld if low else 1, q.dtype))
+            np.empty(Bk * Evld if low else 1, q.dtype), np.empty(2, q.dtype))
 
 
 @njit(cache=True, fastmath=FM, nogil=True)
@@ -343,7 +343,7 @@ def _decode_item(it, a, plan, pm, pl, pacc, ws):
     # rows padded to whole micro-tiles for the float32 P.V kernel
     # the worker's scratch (_item_scratch); acc, m and lsum start afresh for each item.
     # Kc/Vc: a low-precision cache's keys/values converted (_decode_block_kv)
-    Qs, Qt, SbT, Sb, Pb, acc, m, lsum, Kc, Vc = ws
+    Qs, Qt, SbT, Sb, Pb, acc, m, lsum, Kc, Vc, ab = ws
     qoff = (b * Hq + hk * g) * L * E
     for r in range(R):
         for t in range(E):
@@ -352,7 +352,6 @@ def _decode_item(it, a, plan, pm, pl, pacc, ws):
     acc[:] = 0
     m[:] = fcast(q, -np.inf)
     lsum[:] = 0
-    ab = np.empty(2, q.dtype)
     ab[0] = fcast(q, 1.0)
     ab[1] = fcast(q, 0.0)
 

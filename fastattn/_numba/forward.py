@@ -19,7 +19,9 @@ from numba.extending import overload
 
 from ._blas import blas_single_thread, gemm_nn, gemm_nt, numba_threads, prime_blas
 from ._hash import dropout_bh, dropout_threshold_nb
-from ._intrinsics import FM, atomic_next, counters, fcast, prefetch_l2, wide_vectors
+from ._intrinsics import (
+    FM, atomic_count, atomic_next, atomic_read, counters, fcast, prefetch_l2, spin_pause,
+    wide_vectors)
 from ._kv import gather_k, gather_v, seq_keys, seq_q_offset
 from ._record import numba_args, positive
 from ._scores import (
@@ -121,6 +123,21 @@ def _pack_k_ol(k, Kp, x):
         def impl(k, Kp, x):
             pass
     return impl
+
+
+@njit(nogil=True)
+def _pack_head(k, Kp, bk, npan, pclaim, pdone):
+    """Make sure kv head bk's K panels are in Kp: claim and pack the ones no worker has
+    claimed yet, then wait for those another worker is still packing (a few microseconds of
+    work each; the wait never depends on a worker that has not started)."""
+    while True:
+        p = atomic_count(pclaim, bk)
+        if p >= npan:
+            break
+        _pack_k(k, Kp, bk * npan + p)
+        atomic_count(pdone, bk)
+    while atomic_read(pdone, bk) < npan:
+        spin_pause()
 
 
 @njit
@@ -344,12 +361,17 @@ def _forward_kernel(a, out, lse, plan, Kp, ws):
     nqb = (L + plan.Bq - 1) // plan.Bq
     # float32: K re-laid out once per call as PW-key panels for the
     # micro-kernel, into Kp (from the caller's workspace; size of K rounded
-    # up to whole panels); float64 gets a dummy and no pass.
+    # up to whole panels); float64 gets a dummy and no pass. Each kv head's
+    # panels are packed where an item of that head first needs them
+    # (_pack_head), not in a parallel loop of their own before the items (a
+    # second wake and join of the pool, 30-50 us a call on two threads of
+    # this VM), and K is packed when its rows are about to be read anyway.
     npan = (S + PW - 1) // PW
-    packed = _packed(q)
-    if packed and not plan.local_pack:    # (a prange of no iterations still wakes the pool)
-        for x in prange(B * Hkv * npan):
-            _pack_k(k, Kp, x)
+    pack = _packed(q) and not plan.local_pack
+    nbk = B * Hkv if pack else 1
+    pclaim = counters(nbk)
+    pdone = counters(nbk)
+    g = Hq // Hkv
     n_items = B * Hq * nqb
     wQ, wS, wP, wA, wM, wL, wK, wKg, wVg = ws
     T = wQ.shape[0]
@@ -371,6 +393,9 @@ def _forward_kernel(a, out, lse, plan, Kp, ws):
             pf = -1
             if nxt < n_items:
                 pf = nxt
+            if pack:
+                bh = it // nqb
+                _pack_head(k, Kp, (bh // Hq) * Hkv + (bh % Hq) // g, npan, pclaim, pdone)
             _forward_item(it, a, out, lse, plan, Kp,
                           (wQ[w], wS[w], wP[w], wA[w], wM[w], wL[w], wK[w], wKg[w], wVg[w]),
                           pf)
