@@ -75,15 +75,16 @@ class NumbaBackend(CompiledBackend):
         self._softmax_kernel = softmax.softmax_rows
         # Decode reading fewer K/V bytes than this runs with one thread while numba's OpenMP
         # pool waits passively (fastattn's default): a parallel region wakes a sleeping worker
-        # and waits for it at its end, 30-50 us a region on this VM, more than the second
-        # thread saves below ~4 MB. MHA decode 12 heads d64 float32, Zen 4 guest, one thread
-        # against two, interleaved in one process (medians of 7 batches), since the decode
-        # kernel runs one region a call (it ran three: 8 MiB was the bound then): 512 keys
-        # (3.1 MB) 101 / 100 us, 640 keys 117 / 118, 768 (4.7 MB) 133 / 129, 1024 (6.3 MB)
-        # 164 / 146, 2048 326 / 250. A spinning pool (the user's OMP_WAIT_POLICY, torch's
-        # libgomp loaded first) keeps both threads.
+        # and its end waits for that worker, 30-50 us a region on this VM, and the worker may
+        # not get a core at all while another process runs. MHA decode 12 heads d64 float32,
+        # Zen 4 guest, since the kernel runs one region a call (it ran three), two threads'
+        # time / one thread's, interleaved in one process (medians of 7 batches): host quiet,
+        # 768 keys (4.7 MB) 1.00, 1024 (6.3 MB) 0.86-0.90, 2048 0.72; another tenant busy
+        # (load ~1 on the 2 cores), 768 keys 0.98-1.10, 1024 1.14-1.57, 1280 1.27-1.54, 1536
+        # 0.78, 2048 0.80. The bound stays where the second thread wins either way. A spinning
+        # pool (the user's OMP_WAIT_POLICY, torch's libgomp loaded first) keeps both.
         if _process.openmp_passive() is not False:
-            self.serial_decode_bytes = 4 << 20
+            self.serial_decode_bytes = 8 << 20
 
     # float16, bfloat16 and int8 caches: the decode reads them (a key block at a time converted,
     # fastattn/_numba/_kvconv.py); the tiled forward (prefill, more query rows) does not
