@@ -1168,3 +1168,17 @@ def test_forward_packs_each_kv_head_where_first_needed(Hkv):
                                                    **kw)
     for got, w, n, what in zip(runs[0], want, naive, ("out", "lse")):
         assert_close_to_reference(got, w, n, np.float32, what)
+
+
+def test_info_names_the_threading_layer_in_use():
+    """numba's "threadsafe" setting runs the kernels on TBB when libtbb loads, else on
+    OpenMP: once a kernel has run, the backend's details name the layer numba actually uses."""
+    import numba
+
+    import fastattn as fa
+    from fastattn._backends import registry
+
+    q = np.ones((1, 2, 64, 16), np.float32)
+    fa.scaled_dot_product_attention(q, q, q, backend="numba")
+    layer = registry["numba"].info().details["threading_layer"]
+    assert layer == numba.threading_layer() and layer in ("omp", "tbb", "workqueue")

@@ -109,7 +109,13 @@ class NumbaBackend(CompiledBackend):
 
         from .._numba._intrinsics import HAVE_F16C
 
-        layer = numba.config.THREADING_LAYER
+        # the layer numba runs the kernels on: "threadsafe" resolves to TBB when libtbb.so.12
+        # loads (the `tbb` wheel), else OpenMP, at the first parallel call
+        try:
+            layer = numba.threading_layer()
+        except ValueError:                # no parallel kernel has run in this process yet
+            layer = f"{numba.config.THREADING_LAYER} (tbb if installed, else omp: chosen at " \
+                    "the first call)"
         # how its decode reads a float16/bfloat16/int8 cache (decode.py's _block_qk/_block_pv)
         lowp = "in_place" if HAVE_F16C else "in_place (float16: tiles, no F16C)"
         return {"numba": numba.__version__, "threading_layer": layer, "lowp_decode": lowp,
