@@ -181,37 +181,36 @@ def counters(n):
     return c
 
 
+def _counter_intrinsic(counter, idx, op):
+    """Signature and codegen of an intrinsic on counter[idx] (an int64 array, any integer
+    index): op(builder, pointer to the element) makes the atomic instruction."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64
+            and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        i = context.cast(builder, args[1], signature.args[1], types.intp)
+        return op(builder, builder.gep(ary.data, [i]))
+    return types.int64(counter, idx), codegen
+
+
 @intrinsic
 def atomic_count(typingctx, counter, idx):
     """Atomically increment counter[idx] (int64 array) and return the old value, ordered
     acquire-release: the thread that sees the last count also sees every write the other
     counting threads made before they counted (a kernel's "last one to finish a group merges
     it", in place of a second parallel region)."""
-    if not (isinstance(counter, types.Array) and counter.dtype == types.int64
-            and isinstance(idx, types.Integer)):
-        return None
-
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        i = context.cast(builder, args[1], signature.args[1], types.intp)
-        return builder.atomic_rmw('add', builder.gep(ary.data, [i]),
-                                  ir.Constant(ir.IntType(64), 1), 'acq_rel')
-    return types.int64(counter, idx), codegen
+    return _counter_intrinsic(counter, idx, lambda builder, ptr: builder.atomic_rmw(
+        'add', ptr, ir.Constant(ir.IntType(64), 1), 'acq_rel'))
 
 
 @intrinsic
 def atomic_read(typingctx, counter, idx):
     """counter[idx] (int64 array) read atomically, ordered acquire: a worker that sees another's
     atomic_count sees the writes that worker made before counting."""
-    if not (isinstance(counter, types.Array) and counter.dtype == types.int64
-            and isinstance(idx, types.Integer)):
-        return None
-
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        i = context.cast(builder, args[1], signature.args[1], types.intp)
-        return builder.load_atomic(builder.gep(ary.data, [i]), 'acquire', 8)
-    return types.int64(counter, idx), codegen
+    return _counter_intrinsic(counter, idx,
+                              lambda builder, ptr: builder.load_atomic(ptr, 'acquire', 8))
 
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
