@@ -159,9 +159,14 @@ cdef bint dec_heads_together(AttnProblem *p, floating *dummy, ptrdiff_t R) noexc
     place: head stride < key stride).  Then an item takes every kv head of its sequence and
     walks the keys once for all of them, block by block (dec_heads_item), so memory is read in
     order; item by kv head, each head's rows are Hkv*E floats apart, and the same DRAM pages
-    were opened once per head (60 vs 36 ms of CPU time for the bench's decode).  Not for the
-    fa_decode1.h / fa_decodeg.h take the same walk (dec_heads_group)."""
-    return kv_heads_interleaved(p)
+    were opened once per head (60 vs 36 ms of CPU time for the bench's decode).
+    fa_decode1.h / fa_decodeg.h take the same walk (dec_heads_group).
+    Only for a KV cache's call (seqlens given: attention_with_kvcache, KVCache): its blocks
+    differ from the head-by-head walk's, and so do the sums' roundings.  A
+    scaled_dot_product_attention call on (B, S, H, E) views (split_heads, a flash-layout
+    cache transposed) walks head by head over the strided rows, which gives the bits of the
+    same call on contiguous copies (fastattn/_fastpath.py reads such views in place)."""
+    return kv_heads_interleaved(p) and p.seqlens != NULL
 
 
 cdef inline bint kv_heads_interleaved(AttnProblem *p) noexcept nogil:

@@ -9,7 +9,7 @@ from helpers import randn
 
 import fastattn as fa
 from fastattn import _backends as B
-from fastattn import _fastpath, api
+from fastattn import _fastpath, api, reference
 from fastattn._tuning import tuning
 
 SDPA = fa.scaled_dot_product_attention
@@ -232,10 +232,41 @@ def test_a_cache_prefix_is_read_in_place_not_copied(compiled, monkeypatch, rng):
     np.testing.assert_array_equal(got, want)
     assert [x is q for x in copied] == [True], "only q goes through ascontiguousarray"
     copied.clear()
+    # (B, S, H, E) storage (split_heads, a flash-layout cache) transposed: read in place too,
+    # head by head, with the bits of the contiguous copy (its copy took ~70x a decode's kernel)
     flash = np.ascontiguousarray(cache[:, :, :, :20].transpose(0, 1, 3, 2, 4))  # (2, B, S, H, E)
     got = SDPA(q, flash[0].transpose(0, 2, 1, 3), flash[1].transpose(0, 2, 1, 3))
     np.testing.assert_array_equal(got, want)
-    assert len(copied) == 3, "a (B, S, H, E) cache is copied: its in-place kernels round otherwise"
+    assert [x is q for x in copied] == [True], "a (B, S, H, E) view is not copied"
+
+
+@pytest.mark.parametrize("backend", ["cython", "numba"])
+@pytest.mark.parametrize("Hq, Hkv, E", [(12, 12, 64), (8, 2, 128), (4, 4, 40)])
+def test_split_heads_views_decode_in_place_with_the_bits_of_copies(monkeypatch, rng, backend,
+                                                                   Hq, Hkv, E):
+    """A decode step on split_heads views of (B, S, H*E) keys and values (the NumPy model's
+    layout: heads side by side): planned calls read them in place and give the bits of the
+    same calls on contiguous copies, over a growing S (MHA on the one-row kernel, GQA on the
+    group kernel, a head dim with a tail), and close to the float64 reference."""
+    if not B.registry[backend].available:
+        pytest.skip(f"{backend}: {B.registry[backend].reason}")
+    _fastpath.clear()
+    Bb, S_max = 2, 300
+    kx = randn(rng, (Bb, S_max, Hkv * E), np.float32)
+    vx = randn(rng, (Bb, S_max, Hkv * E), np.float32)
+    q = randn(rng, (Bb, Hq, 1, E), np.float32)
+    kw = dict(enable_gqa=Hq != Hkv, backend=backend, return_lse=True)
+    for S in (1, 17, 64, 65, 300):
+        k, v = fa.split_heads(kx[:, :S], Hkv), fa.split_heads(vx[:, :S], Hkv)
+        assert not k.flags.c_contiguous or Hkv == 1
+        want_out, want_lse = SDPA(q, np.ascontiguousarray(k), np.ascontiguousarray(v), **kw)
+        got_out, got_lse = SDPA(q, k, v, **kw)
+        np.testing.assert_array_equal(got_out, want_out)
+        np.testing.assert_array_equal(got_lse, want_lse)
+        ref = reference.scaled_dot_product_attention(q, k, v, enable_gqa=Hq != Hkv)
+        np.testing.assert_allclose(got_out, ref, rtol=2e-5, atol=2e-5)
+    assert len(_fastpath._plans) == 1, "one plan served the whole loop"
+    _fastpath.clear()
 
 
 GROWING = [

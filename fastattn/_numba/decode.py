@@ -582,8 +582,13 @@ def decode(args, out, lse):
     if B * Hq * L == 0:
         return
     # the kv heads' rows side by side (a flash-layout cache read in place): items take every
-    # kv head (_decode_heads_item), in blocks whose K and V for all heads fit the L2 share
-    heads = bool(HEADS_TOGETHER and Hkv >= 2 and args.k_strides[1] < args.k_strides[2]
+    # kv head (_decode_heads_item), in blocks whose K and V for all heads fit the L2 share.
+    # Only for a KV cache's call (seqlens given): the blocks and chunks differ from the
+    # head-by-head walk's, and so do the sums' roundings; scaled_dot_product_attention on
+    # (B, S, H, E) views walks head by head, with the bits of contiguous copies (as
+    # csrc/decode.pxi dec_heads_together)
+    heads = bool(HEADS_TOGETHER and args.has_seqlens and Hkv >= 2
+                 and args.k_strides[1] < args.k_strides[2]
                  and args.v_strides[1] < args.v_strides[2])
     if heads and not args.tuning.decode_block_k:
         if args.kv_kind:          # a low-precision cache
