@@ -66,8 +66,9 @@ fa_d1_scores16_(const int NE, const float *q, __mmask16 tail, const float *K, pt
     /* fa_hsum16_ puts the sum of acc[4l + c] in lane 4c + l: key kk goes to accumulator
      * a = 4 (kk & 3) + (kk >> 2), so that lane i ends up holding key i.  The keys are read in
      * their order (kk), not the accumulators': walking the accumulators read rows 0, 4, 8,
-     * 12, 1, 5, ... of the group, and the MHA decode streamed its keys from L3 at 70-78 GB/s
-     * against 84-91 in key order (one thread, 12 heads x 1024 keys, d = 64, Zen 4). */
+     * 12, 1, 5, ... of the group, and the kernel streamed an MHA decode's K and V from L3 at
+     * 70-80 GB/s against 84-91 in key order (a C harness calling it alone, one thread, 12
+     * heads x 1024 keys, d = 64, Zen 4; the same bits). */
 #pragma GCC unroll 16
     for (int kk = 0; kk < 16; kk++) {
         const int a = 4 * (kk & 3) + (kk >> 2);
