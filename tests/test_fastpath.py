@@ -242,8 +242,7 @@ def test_a_cache_prefix_is_read_in_place_not_copied(compiled, monkeypatch, rng):
 
 @pytest.mark.parametrize("backend", ["cython", "numba"])
 @pytest.mark.parametrize("Hq, Hkv, E", [(12, 12, 64), (8, 2, 128), (4, 4, 40)])
-def test_split_heads_views_decode_in_place_with_the_bits_of_copies(monkeypatch, rng, backend,
-                                                                   Hq, Hkv, E):
+def test_split_heads_views_decode_in_place_with_the_bits_of_copies(rng, backend, Hq, Hkv, E):
     """A decode step on split_heads views of (B, S, H*E) keys and values (the NumPy model's
     layout: heads side by side): planned calls read them in place and give the bits of the
     same calls on contiguous copies, over a growing S (MHA on the one-row kernel, GQA on the
