@@ -10,17 +10,18 @@
 #     M = max_c m_c,  l = sum_c e^(m_c - M) l_c,  out = sum_c e^(m_c - M) O_c / l,  lse = M + log l
 
 cdef extern from "fa_decode1.h" nogil:
+    int FA_D1_BK
     int fa_decode1_available()
     void fa_decode1_f_avx512(const float *q, const float *K, ptrdiff_t ldk, const float *V,
                              ptrdiff_t ldv, ptrdiff_t n, ptrdiff_t E, ptrdiff_t Ev, float scale,
-                             float *m, float *l, float *O, int pf_kind, const float *Kpf,
+                             float *m, double *l, float *O, int pf_kind, const float *Kpf,
                              const float *Vpf, ptrdiff_t npf)
 
 cdef extern from "fa_decodeg.h" nogil:
     int FA_DG_MAXR
     void fa_decodeg_f_avx512(int R, const float *q, ptrdiff_t ldq, const float *K, ptrdiff_t ldk,
                              const float *V, ptrdiff_t ldv, ptrdiff_t n, ptrdiff_t E,
-                             ptrdiff_t Ev, float scale, float *m, float *l, float *O,
+                             ptrdiff_t Ev, float scale, float *m, double *l, float *O,
                              ptrdiff_t ldo, int pf_kind, const float *Kpf, const float *Vpf,
                              ptrdiff_t npf)
 
@@ -28,7 +29,7 @@ cdef extern from "fa_decode_avx2.h" nogil:
     int fa_decode_avx2_available(ptrdiff_t E, ptrdiff_t Ev)
     void fa_decodeg_f_avx2(int R, const float *q, ptrdiff_t ldq, const float *K, ptrdiff_t ldk,
                            const float *V, ptrdiff_t ldv, ptrdiff_t n, ptrdiff_t E, ptrdiff_t Ev,
-                           float scale, float *m, float *l, float *O, ptrdiff_t ldo, int pf_kind,
+                           float scale, float *m, double *l, float *O, ptrdiff_t ldo, int pf_kind,
                            const float *Kpf, const float *Vpf, ptrdiff_t npf)
 
 cdef extern from "fa_decode_lowp512.h" nogil:
@@ -53,6 +54,7 @@ cdef enum:
     # serial_decode_bytes, bench/results/pool_spin.md).  Helpers that are awake, spinning
     # between the jobs of a tight loop (csrc/fa_pool.h), join any call.
     DEC_WAKE_BYTES = 4 << 20
+    DEC_VIEWS_ITEMS = 2              # items per thread at least, walking side-by-side heads
     DEC_HG_BK = 32                   # keys per block of dec_heads_group (AVX-512 kernels)
     # ... with the AVX2 kernel (fa_decode_avx2.h): on a Zen 3 guest (512 KiB L2, 32 KiB 8-way
     # L1) a kv head's rows of a flash-layout cache lie Hkv * d * 4 bytes apart (4 KiB at
@@ -124,6 +126,7 @@ cdef void dec_item(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t it, ptrdi
                 dec_group_run(p, w, hk, ko, vo, n, ko + ahead * p.kss, vo + ahead * p.vss,
                               n - ahead, kc, vc)
                 jlo = end
+            dec_group_end(p, w)
             dec_item_done(p, w, dummy, it, rows, nsplit, Rcap, part_O, part_ml)
             return
     dec_lanes(p, w, dummy, b, hk, r0, rows, &pmin, &pmax)
@@ -164,8 +167,9 @@ cdef bint dec_heads_together(AttnProblem *p, floating *dummy, ptrdiff_t R) noexc
     Only for a KV cache's call (seqlens given: attention_with_kvcache, KVCache): its blocks
     differ from the head-by-head walk's, and so do the sums' roundings.  A
     scaled_dot_product_attention call on (B, S, H, E) views (split_heads, a flash-layout
-    cache transposed) walks head by head over the strided rows, which gives the bits of the
-    same call on contiguous copies (fastattn/_fastpath.py reads such views in place)."""
+    cache transposed; fastattn/_fastpath.py reads them in place) takes dec_views_walk: the
+    head-by-head walk's chunks and kernel blocks, heads together, the bits of the same call
+    on contiguous copies."""
     return kv_heads_interleaved(p) and p.seqlens != NULL
 
 
@@ -173,17 +177,47 @@ cdef inline bint kv_heads_interleaved(AttnProblem *p) noexcept nogil:
     return p.Hkv >= 2 and p.ksh < p.kss and p.vsh < p.vss
 
 
+cdef inline bint dec_views_walk(AttnProblem *p) noexcept nogil:
+    """A call on (B, S, H, E) views (no KV cache: dec_heads_together declined) whose group
+    kernels walk the kv heads' rows together (dec_heads_group) with the bits of the
+    head-by-head walk: float32 rows in place, not paged."""
+    return kv_heads_interleaved(p) and p.kv_kind == 0 and p.page_size == 0 and p.seqlens == NULL
+
+
+cdef inline ptrdiff_t dec_views_heads(AttnProblem *p, ptrdiff_t nsplit, int nt) noexcept nogil:
+    """kv heads per item of the views walk: all of them, or as few groups as give each thread
+    DEC_VIEWS_ITEMS items (a thread that starts late or is descheduled leaves little behind).
+    More heads an item read more of each key row in order, which pays from DRAM; from L3 it
+    hardly matters.  split_heads views, kv heads an item swept, 12 x d = 64 (MHA) and 8 x
+    d = 128 (GQA 32/8), 2 threads, medians of 7 interleaved rounds in one process, ms
+    (/work/scratch/s22/hpgpf.py; contiguous copies last):
+        MHA  4096 keys  1: 1.75  2: 0.79  3: 0.55  6: 0.58  12: 0.58  contiguous 0.44
+        MHA 16384 keys  1: 8.93  2: 4.43  3: 4.59  6: 3.94  12: 4.03  contiguous 3.56
+        GQA  4096 keys  1: 2.37  2: 1.96  4: 1.63  8: 2.16            contiguous 1.40
+        GQA 16384 keys  1: 10.6  2: 9.10  4: 8.64  8: 7.70            contiguous 6.44
+    (1 head an item is the head-by-head walk; 12 at 1024 keys, one item, ran on one thread.)"""
+    if nt == 1:
+        return p.Hkv
+    cdef ptrdiff_t units = p.B * nsplit
+    cdef ptrdiff_t groups = min(<ptrdiff_t>p.Hkv,
+                                (DEC_VIEWS_ITEMS * nt + units - 1) // units)
+    return (p.Hkv + groups - 1) // groups
+
+
 cdef void dec_heads_group(AttnProblem *p, Work *w0, floating *dummy, ptrdiff_t su,
-                          ptrdiff_t nsplit, ptrdiff_t chunk, floating *part_O,
+                          ptrdiff_t nsplit, ptrdiff_t chunk, ptrdiff_t hpg, floating *part_O,
                           floating *part_ml) noexcept nogil:
     """dec_heads_item for the group kernels (dec_group_ok: L = 1, one row group per kv head):
-    item su = (batch, key chunk), every kv head's group rows in work_at(w0, hk); blocks of p.Bk
-    keys, for all kv heads in turn, so the rows of a block are read in memory order."""
-    cdef ptrdiff_t c = su % nsplit, b = su // nsplit, hk, n
+    item su = (batch, group of hpg kv heads, key chunk), kv head hk's group rows in
+    work_at(w0, hk - the group's first); blocks of p.Bk keys, for the group's kv heads in
+    turn, so the rows of a block are read in memory order."""
+    cdef ptrdiff_t c = su % nsplit, nhg = (p.Hkv + hpg - 1) // hpg, hk, n
+    cdef ptrdiff_t b = (su // nsplit) // nhg, h0 = ((su // nsplit) % nhg) * hpg
+    cdef ptrdiff_t h1 = min(p.Hkv, h0 + hpg)
     cdef int64_t qo = seq_q_offset(p, b), nk = seq_keys(p, b), jlo, jhi, end, ko, vo
     cdef int64_t jp, pko = 0, pvo = 0, npf, kc = 0, vc = 0
-    for hk in range(p.Hkv):
-        dec_group_start(p, work_at(w0, hk), dummy, b, hk, p.G)
+    for hk in range(h0, h1):
+        dec_group_start(p, work_at(w0, hk - h0), dummy, b, hk, p.G)
     jlo = max(c * chunk, max(<int64_t>0, qo - p.wl))
     jhi = min(min((c + 1) * chunk, nk), qo + p.wr + 1)
     while jlo < jhi:
@@ -197,12 +231,13 @@ cdef void dec_heads_group(AttnProblem *p, Work *w0, floating *dummy, ptrdiff_t s
             npf = min(min(<int64_t>n, kv_segment(p, b, jp, &pko, &pvo) - jp), jhi - jp)
         if p.ksc != NULL:
             kv_scale_offsets(p, b, jlo, &kc, &vc)
-        for hk in range(p.Hkv):
-            dec_group_run(p, work_at(w0, hk), hk, ko, vo, n, pko, pvo, npf, kc, vc)
+        for hk in range(h0, h1):
+            dec_group_run(p, work_at(w0, hk - h0), hk, ko, vo, n, pko, pvo, npf, kc, vc)
         jlo += n
-    for hk in range(p.Hkv):
-        dec_item_done(p, work_at(w0, hk), dummy, (b * p.Hkv + hk) * nsplit + c, p.G, nsplit,
-                      p.G, part_O, part_ml)
+    for hk in range(h0, h1):
+        dec_group_end(p, work_at(w0, hk - h0))
+        dec_item_done(p, work_at(w0, hk - h0), dummy, (b * p.Hkv + hk) * nsplit + c, p.G,
+                      nsplit, p.G, part_O, part_ml)
 
 
 cdef void dec_heads_item(AttnProblem *p, Work *w0, floating *dummy, ptrdiff_t su,
@@ -282,8 +317,19 @@ cdef void dec_group_start(AttnProblem *p, Work *w, floating *dummy, ptrdiff_t b,
         set_lane(p, w, dummy, r, b, hk * p.G + r, 0)
         (<float *>w.m)[r] = -INFINITY
         (<float *>w.l)[r] = 0
+        w.ld[r] = 0
     w.rows = rows
     memset(w.O, 0, rows * p.ldo * sizeof(float))
+
+
+cdef inline void dec_group_end(AttnProblem *p, Work *w) noexcept nogil:
+    """The group's running sums as the finish and merge code reads them: float32, rounded once
+    after the item's last kernel call (the float32 kernels carry them in double across calls;
+    fa_decode_lowp's are float32 already)."""
+    cdef ptrdiff_t r
+    if p.kv_kind == 0:
+        for r in range(w.rows):
+            (<float *>w.l)[r] = <float>w.ld[r]
 
 
 cdef inline void dec_group_run(AttnProblem *p, Work *w, ptrdiff_t hk, int64_t ko, int64_t vo,
@@ -310,17 +356,17 @@ cdef inline void dec_group_run(AttnProblem *p, Work *w, ptrdiff_t hk, int64_t ko
     cdef const float *V = <const float *>p.v + vo + hk * p.vsh
     if not fa_decode1_available():          # the AVX2 copy (dec_one_row_ok)
         fa_decodeg_f_avx2(<int>w.rows, q, p.E, K, p.kss, V, p.vss, n, p.E, p.Ev,
-                          <float>p.scale, <float *>w.m, <float *>w.l, <float *>w.O, p.ldo,
+                          <float>p.scale, <float *>w.m, w.ld, <float *>w.O, p.ldo,
                           dec1_prefetch(p), <const float *>p.k + pko + hk * p.ksh,
                           <const float *>p.v + pvo + hk * p.vsh, npf)
     elif w.rows == 1:
         fa_decode1_f_avx512(q, K, p.kss, V, p.vss, n, p.E, p.Ev, <float>p.scale,
-                            <float *>w.m, <float *>w.l, <float *>w.O, dec1_prefetch(p),
+                            <float *>w.m, w.ld, <float *>w.O, dec1_prefetch(p),
                             <const float *>p.k + pko + hk * p.ksh,
                             <const float *>p.v + pvo + hk * p.vsh, npf)
     else:
         fa_decodeg_f_avx512(<int>w.rows, q, p.E, K, p.kss, V, p.vss, n, p.E, p.Ev,
-                            <float>p.scale, <float *>w.m, <float *>w.l, <float *>w.O, p.ldo,
+                            <float>p.scale, <float *>w.m, w.ld, <float *>w.O, p.ldo,
                             dec1_prefetch(p), <const float *>p.k + pko + hk * p.ksh,
                             <const float *>p.v + pvo + hk * p.vsh, npf)
 
@@ -426,9 +472,10 @@ cdef void dec_merge(AttnProblem *p, floating *dummy, ptrdiff_t g, ptrdiff_t nrg,
 
 cdef inline void dec_any(AttnProblem *p, Work *w, floating *dummy, bint heads, bint group,
                          ptrdiff_t it, ptrdiff_t nrg, ptrdiff_t Rcap, ptrdiff_t nsplit,
-                         ptrdiff_t chunk, floating *part_O, floating *part_ml) noexcept nogil:
+                         ptrdiff_t chunk, ptrdiff_t hpg, floating *part_O,
+                         floating *part_ml) noexcept nogil:
     if heads and group:
-        dec_heads_group(p, w, dummy, it, nsplit, chunk, part_O, part_ml)
+        dec_heads_group(p, w, dummy, it, nsplit, chunk, hpg, part_O, part_ml)
     elif heads:
         dec_heads_item(p, w, dummy, it, nrg, Rcap, nsplit, chunk, part_O, part_ml)
     else:
@@ -449,7 +496,7 @@ cdef inline int64_t dec_longest_keys(AttnProblem *p) noexcept nogil:
 ctypedef struct DecJob:                  # one decode call as the pool's threads see it
     AttnProblem *p
     bint heads, group
-    ptrdiff_t n_loop, nrg, Rcap, nsplit, chunk, n_works
+    ptrdiff_t n_loop, nrg, Rcap, nsplit, chunk, hpg, n_works
     void *part_O                        # floating *: partial results of split key ranges
     void *part_ml
     int fail
@@ -466,7 +513,7 @@ cdef void dec_job_body(DecJob *j, floating *dummy) noexcept nogil:
     while it < j.n_loop:
         if w != NULL:
             dec_any(j.p, w, dummy, j.heads, j.group, it, j.nrg, j.Rcap, j.nsplit, j.chunk,
-                    <floating *>j.part_O, <floating *>j.part_ml)
+                    j.hpg, <floating *>j.part_O, <floating *>j.part_ml)
         it = fa_share_next(&j.share)
     work_free(w)
 
@@ -495,9 +542,10 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
     # Items of all kv heads at once (dec_heads_together) are Hkv times larger and a ragged
     # batch's differ by its lengths: split them finer.
     cdef bint heads = dec_heads_together(p, dummy, R)
-    cdef bint group = False
+    cdef bint group = False, views = False
     if floating is float:
         group = dec_group_ok(p, R)
+        views = group and not heads and dec_views_walk(p)
     cdef ptrdiff_t units = n_groups // p.Hkv if heads else n_groups
     cdef ptrdiff_t want = (32 if heads else 8) * nt
     cdef ptrdiff_t nsplit = 1
@@ -511,10 +559,22 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
         nsplit = min((want + units - 1) // units, max(<ptrdiff_t>1, keys // DEC_MIN_CHUNK))
     cdef ptrdiff_t n_items = n_groups * nsplit
     cdef ptrdiff_t n_loop = units * nsplit      # loop iterations: items, or items of all heads
-    cdef ptrdiff_t n_works = p.Hkv if heads else 1
-    nt = resolve_threads(nt, n_loop)
+    cdef ptrdiff_t hpg = p.Hkv, n_works = p.Hkv if heads else 1
     p.Bk = p.tune.dec_bk
-    if heads and group:
+    # the chunks of the head-by-head walk (whole p.Bk blocks from 0)
+    cdef ptrdiff_t chunk = round_up((keys + nsplit - 1) // nsplit, p.Bk) if keys else 1
+    if views:
+        # side-by-side heads of a scaled_dot_product_attention call: the head-by-head walk's
+        # chunks, walked in the kernels' own blocks from each chunk's start for groups of hpg
+        # kv heads in turn (dec_heads_group), so every head gets the kernel's blocks of one
+        # call over its chunk: the same bits, the rows read in memory order
+        hpg = dec_views_heads(p, nsplit, nt)
+        heads = True
+        n_works = hpg
+        n_loop = p.B * ((p.Hkv + hpg - 1) // hpg) * nsplit
+        p.Bk = FA_D1_BK
+    nt = resolve_threads(nt, n_loop)
+    if heads and group and not views:
         # dec_heads_group's blocks: all kv heads' rows of DEC_HG_BK keys (Hkv x 32 KB at d =
         # 128), then the next; a block ahead is prefetched (dec1_prefetch).  The AVX2 kernel:
         # DEC_HG_BK_AVX2 keys
@@ -528,7 +588,8 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
                 p.Bk = DEC_HG_BK if fa_decode1_available() else DEC_HG_BK_AVX2
     p.prefetch = 2 if p.tune.dec_pf_kind < 0 else p.tune.dec_pf_kind
     p.pf_ahead = p.tune.dec_pf_ahead if p.tune.dec_pf_ahead else p.Bk
-    cdef ptrdiff_t chunk = round_up((keys + nsplit - 1) // nsplit, p.Bk) if keys else 1
+    if heads and not views:
+        chunk = round_up((keys + nsplit - 1) // nsplit, p.Bk) if keys else 1
     p.Wcap = round_up(Rcap, k_nr(dummy)) + 16
     p.lds = p.Wcap
     p.ldo = round_up(p.Ev, k_vw(dummy)) if p.Ev > 0 else 1
@@ -552,7 +613,8 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
             fail = 1
         else:
             for it in range(n_loop):
-                dec_any(p, w, dummy, heads, group, it, nrg, Rcap, nsplit, chunk, part_O, part_ml)
+                dec_any(p, w, dummy, heads, group, it, nrg, Rcap, nsplit, chunk, hpg, part_O,
+                        part_ml)
             work_free(w)
     else:
         # items from a shared counter, run by the caller and whichever pool helpers are free
@@ -565,6 +627,7 @@ cdef int run_decode(AttnProblem *p, floating *dummy) noexcept nogil:
         job.Rcap = Rcap
         job.nsplit = nsplit
         job.chunk = chunk
+        job.hpg = hpg
         job.n_works = n_works
         job.part_O = part_O
         job.part_ml = part_ml

@@ -174,18 +174,21 @@ static FA_A512 void fa_d1_pv_cols_(const float *P, ptrdiff_t n, const float *V, 
 }
 
 /* One query row q[E] against keys [0, n) of K (stride ldk) and V (stride ldv), updating the
- * online-softmax state *m, *l and O[Ev] (unnormalised).  Meanwhile the block of keys
+ * online-softmax state *m, *l and O[Ev] (unnormalised; l in double: the caller rounds it
+ * once, after its last call, so keys walked in several calls of whole blocks sum as in one
+ * call -- decode.pxi's walk of side-by-side heads gives the bits of the head-by-head walk).
+ * Meanwhile the block of keys
  * [j0, j0 + nb) prefetches rows [j0, j0 + nb) of Kpf / Vpf (same strides) below npf, with
  * prefetch kind pf_kind (fa_prefetch; 0 none): the caller points them `ahead` keys on (or at
  * the next page of a paged cache). */
 static FA_A512 void fa_decode1_f_avx512(const float *q, const float *K, ptrdiff_t ldk,
                                         const float *V, ptrdiff_t ldv, ptrdiff_t n,
                                         ptrdiff_t E, ptrdiff_t Ev, float scale, float *m_io,
-                                        float *l_io, float *O, int pf_kind,
+                                        double *l_io, float *O, int pf_kind,
                                         const float *Kpf, const float *Vpf, ptrdiff_t npf)
 {
     float m = *m_io;
-    double l = *l_io;             /* one add per block: keep it in double across blocks */
+    double l = *l_io;             /* one add per block: kept in double across blocks and calls */
     float P[FA_D1_BK] __attribute__((aligned(64)));
     for (ptrdiff_t j0 = 0; j0 < n; j0 += FA_D1_BK) {
         const ptrdiff_t nb = n - j0 < FA_D1_BK ? n - j0 : FA_D1_BK;
@@ -225,7 +228,7 @@ static FA_A512 void fa_decode1_f_avx512(const float *q, const float *K, ptrdiff_
                        pf_kind);
     }
     *m_io = m;
-    *l_io = (float)l;
+    *l_io = l;
 }
 
 static inline int fa_decode1_available(void) { return FA_OPS_F == &fa_ops_f_avx512; }
@@ -234,7 +237,7 @@ static inline int fa_decode1_available(void) { return FA_OPS_F == &fa_ops_f_avx5
 static inline int fa_decode1_available(void) { return 0; }
 static inline void fa_decode1_f_avx512(const float *q, const float *K, ptrdiff_t ldk,
                                        const float *V, ptrdiff_t ldv, ptrdiff_t n, ptrdiff_t E,
-                                       ptrdiff_t Ev, float scale, float *m_io, float *l_io,
+                                       ptrdiff_t Ev, float scale, float *m_io, double *l_io,
                                        float *O, int pf_kind, const float *Kpf,
                                        const float *Vpf, ptrdiff_t npf) { (void)q;
     (void)K; (void)ldk; (void)Kpf; (void)Vpf; (void)npf;

@@ -317,7 +317,8 @@ FA_D2_INL void fa_d2_block_(const int R, const float *q, ptrdiff_t ldq, const fl
         break;
 
 /* Rows q[r * ldq], r < R (1 <= R <= FA_DG_MAXR), against keys [0, n) of K (stride ldk) and V
- * (stride ldv), updating m_io[r], l_io[r] and O[r * ldo + c]; E % 8 == Ev % 8 == 0.  Prefetch
+ * (stride ldv), updating m_io[r], l_io[r] (double, as fa_decode1_f_avx512's) and O[r * ldo + c];
+ * E % 8 == Ev % 8 == 0.  Prefetch
  * as fa_decode1_f_avx512: block [j0, j0 + nb) prefetches rows [j0, j0 + nb) of Kpf / Vpf
  * below npf.  V's prefetch is spread over P·V in a call longer than one block (a head's run of
  * keys) whose rows take more than one column panel.  A call of one block is the heads-group
@@ -330,11 +331,11 @@ FA_D2_INL void fa_d2_block_(const int R, const float *q, ptrdiff_t ldq, const fl
 static FA_A2 void fa_decodeg_f_avx2(int R, const float *q, ptrdiff_t ldq, const float *K,
                                     ptrdiff_t ldk, const float *V, ptrdiff_t ldv, ptrdiff_t n,
                                     ptrdiff_t E, ptrdiff_t Ev, float scale, float *m_io,
-                                    float *l_io, float *O, ptrdiff_t ldo, int pf_kind,
+                                    double *l_io, float *O, ptrdiff_t ldo, int pf_kind,
                                     const float *Kpf, const float *Vpf, ptrdiff_t npf)
 {
     float m[FA_DG_MAXR];
-    double l[FA_DG_MAXR];            /* one add per block: keep it in double across blocks */
+    double l[FA_DG_MAXR];            /* one add per block: in double across blocks and calls */
     const int spread = pf_kind && npf > 0 && n > FA_D1_BK && Ev > 8 * fa_d2_nvmax_(R);
     for (int r = 0; r < R; r++) {
         m[r] = m_io[r];
@@ -371,7 +372,7 @@ static FA_A2 void fa_decodeg_f_avx2(int R, const float *q, ptrdiff_t ldq, const 
     }
     for (int r = 0; r < R; r++) {
         m_io[r] = m[r];
-        l_io[r] = (float)l[r];
+        l_io[r] = l[r];
     }
 }
 #undef FA_D2_CASE
@@ -387,7 +388,7 @@ static inline int fa_decode_avx2_available(ptrdiff_t E, ptrdiff_t Ev) { (void)E;
 static inline void fa_decodeg_f_avx2(int R, const float *q, ptrdiff_t ldq, const float *K,
                                      ptrdiff_t ldk, const float *V, ptrdiff_t ldv, ptrdiff_t n,
                                      ptrdiff_t E, ptrdiff_t Ev, float scale, float *m_io,
-                                     float *l_io, float *O, ptrdiff_t ldo, int pf_kind,
+                                     double *l_io, float *O, ptrdiff_t ldo, int pf_kind,
                                      const float *Kpf, const float *Vpf, ptrdiff_t npf)
 {
     (void)R; (void)q; (void)ldq; (void)K; (void)ldk; (void)V; (void)ldv; (void)n; (void)npf;

@@ -133,17 +133,18 @@ fa_dg_block_(const int R, const float *q, ptrdiff_t ldq, const float *Kb, ptrdif
         break;
 
 /* Rows q[r * ldq], r < R (2 <= R <= FA_DG_MAXR), against keys [0, n) of K (stride ldk) and V
- * (stride ldv), updating m_io[r], l_io[r] and O[r * ldo + c].  Prefetch as fa_decode1_f_avx512:
+ * (stride ldv), updating m_io[r], l_io[r] (double, as fa_decode1_f_avx512's) and O[r * ldo + c].
+ * Prefetch as fa_decode1_f_avx512:
  * block [j0, j0 + nb) prefetches rows [j0, j0 + nb) of Kpf / Vpf below npf. */
 static FA_A512 void fa_decodeg_f_avx512(int R, const float *q, ptrdiff_t ldq, const float *K,
                                         ptrdiff_t ldk, const float *V, ptrdiff_t ldv,
                                         ptrdiff_t n, ptrdiff_t E, ptrdiff_t Ev,
-                                        float scale, float *m_io, float *l_io, float *O,
+                                        float scale, float *m_io, double *l_io, float *O,
                                         ptrdiff_t ldo, int pf_kind, const float *Kpf,
                                         const float *Vpf, ptrdiff_t npf)
 {
     float m[FA_DG_MAXR];
-    double l[FA_DG_MAXR];            /* one add per block: keep it in double across blocks */
+    double l[FA_DG_MAXR];            /* one add per block: in double across blocks and calls */
     for (int r = 0; r < R; r++) {
         m[r] = m_io[r];
         l[r] = l_io[r];
@@ -165,7 +166,7 @@ static FA_A512 void fa_decodeg_f_avx512(int R, const float *q, ptrdiff_t ldq, co
     }
     for (int r = 0; r < R; r++) {
         m_io[r] = m[r];
-        l_io[r] = (float)l[r];
+        l_io[r] = l[r];
     }
 }
 #undef FA_DG_CASE
@@ -174,7 +175,7 @@ static FA_A512 void fa_decodeg_f_avx512(int R, const float *q, ptrdiff_t ldq, co
 static inline void fa_decodeg_f_avx512(int R, const float *q, ptrdiff_t ldq, const float *K,
                                        ptrdiff_t ldk, const float *V, ptrdiff_t ldv,
                                        ptrdiff_t n, ptrdiff_t E, ptrdiff_t Ev,
-                                       float scale, float *m_io, float *l_io, float *O,
+                                       float scale, float *m_io, double *l_io, float *O,
                                        ptrdiff_t ldo, int pf_kind, const float *Kpf,
                                        const float *Vpf, ptrdiff_t npf)
 {
