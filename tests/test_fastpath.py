@@ -233,7 +233,7 @@ def test_a_cache_prefix_is_read_in_place_not_copied(compiled, monkeypatch, rng):
     assert [x is q for x in copied] == [True], "only q goes through ascontiguousarray"
     copied.clear()
     # (B, S, H, E) storage (split_heads, a flash-layout cache) transposed: read in place too,
-    # head by head, with the bits of the contiguous copy (its copy took ~70x a decode's kernel)
+    # with the bits of the contiguous copy (its copy took ~70x a decode's kernel)
     flash = np.ascontiguousarray(cache[:, :, :, :20].transpose(0, 1, 3, 2, 4))  # (2, B, S, H, E)
     got = SDPA(q, flash[0].transpose(0, 2, 1, 3), flash[1].transpose(0, 2, 1, 3))
     np.testing.assert_array_equal(got, want)
@@ -266,6 +266,58 @@ def test_split_heads_views_decode_in_place_with_the_bits_of_copies(rng, backend,
         np.testing.assert_allclose(got_out, ref, rtol=2e-5, atol=2e-5)
     assert len(_fastpath._plans) == 1, "one plan served the whole loop"
     _fastpath.clear()
+
+
+@pytest.mark.parametrize("backend", ["cython", "numba"])
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_side_by_side_heads_walked_together_give_the_bits_of_copies(monkeypatch, rng, backend,
+                                                                     threads):
+    """Both compiled backends walk the kv heads of (B, S, H, E) views together (cython:
+    csrc/decode.pxi dec_views_walk, each head in the group kernels' own 64-key blocks from its
+    chunk's start, the running sums carried in double from call to call; numba:
+    _decode_views_item, each 1024-key block scored and multiplied by V 16 keys at a time for
+    the heads in turn): the bits of the head-by-head walk over contiguous copies, on every
+    SIMD copy of the extension this CPU has.  Cases: key chunks that split (2500 keys: cython
+    splits 2 sequences of 2 kv heads on 2 threads into chunks of 1296 keys, not a multiple of
+    64; numba splits one sequence of 3 kv heads), groups of heads (12 kv heads on 2 threads),
+    a window that starts mid-block, a head dim with a tail."""
+    if not B.registry[backend].available:
+        pytest.skip(f"{backend}: {B.registry[backend].reason}")
+    levels = [None]
+    if backend == "cython":
+        from fastattn import _cykernels
+        levels = _cykernels.simd_levels()
+    monkeypatch.setenv("FASTATTN_NUM_THREADS", threads)
+    fa.reload_environment()
+    _fastpath.clear()
+    window = dict(is_causal=True, causal_alignment="bottom_right", window=(1500, 0))
+    try:
+        for level in levels:
+            if level is not None:
+                _cykernels.set_simd(level)
+            for Bb, Hq, Hkv, E in [(2, 12, 12, 64), (2, 8, 2, 128), (1, 6, 3, 40)]:
+                for S in (65, 2500):
+                    kx = randn(rng, (Bb, S, Hkv * E), np.float32)
+                    vx = randn(rng, (Bb, S, Hkv * E), np.float32)
+                    q = randn(rng, (Bb, Hq, 1, E), np.float32) * 2
+                    k, v = fa.split_heads(kx, Hkv), fa.split_heads(vx, Hkv)
+                    kc, vc = np.ascontiguousarray(k), np.ascontiguousarray(v)
+                    for kw in ({}, window):
+                        kw = dict(kw, enable_gqa=Hq != Hkv, backend=backend, return_lse=True)
+                        want_out, want_lse = SDPA(q, kc, vc, **kw)
+                        SDPA(q, k, v, **kw)          # the plan's first call copies
+                        got_out, got_lse = SDPA(q, k, v, **kw)
+                        case = f"{level} {Bb}x{Hq}/{Hkv} E={E} S={S} {kw}"
+                        np.testing.assert_array_equal(got_out, want_out, err_msg=case)
+                        np.testing.assert_array_equal(got_lse, want_lse, err_msg=case)
+            ref = reference.scaled_dot_product_attention(q, k, v, enable_gqa=True, **window)
+            np.testing.assert_allclose(got_out, ref, rtol=2e-5, atol=2e-5)
+    finally:
+        if backend == "cython":
+            _cykernels.set_simd(None)
+        monkeypatch.delenv("FASTATTN_NUM_THREADS")
+        fa.reload_environment()
+        _fastpath.clear()
 
 
 GROWING = [

@@ -25,7 +25,8 @@ from ._blas import blas_single_thread, gemm_nn, gemm_nt, numba_threads, prime_bl
 from ._exp import exp2v
 from ._hash import dropout_bh, dropout_threshold_nb
 from ._intrinsics import (
-    FM, HAVE_F16C, atomic_count, atomic_next, counters, fcast, fmax_nan, wide_vectors)
+    FM, HAVE_F16C, atomic_count, atomic_next, counters, fcast, fmax_nan, prefetch_l2,
+    wide_vectors)
 from ._kv import gather_v, kv_run, rows_all_finite, seq_keys, seq_q_offset
 from ._kvconv import convert_rows, key_scale
 from ._record import numba_args, positive
@@ -375,6 +376,128 @@ def _decode_item(it, a, plan, pm, pl, pacc, ws):
             pacc[it, r, t] = acc[r, t]
 
 
+@njit(nogil=True, inline='always')
+def _prefetch_rows(af, off, ld, width, n):
+    """Prefetch into L2 the first `width` elements of n rows ld apart from af[off], in address
+    order, a line at a time."""
+    for j in range(n):
+        for x in range(off + j * ld, off + j * ld + width, 16):
+            prefetch_l2(af, x)
+
+
+@njit(nogil=True)
+def _views_scratch(a, plan):
+    """_decode_views_item's scratch: _item_scratch's tiles, one per kv head of a group
+    (plan.hpg), scores and weights a whole block wide."""
+    q = a.q
+    B, Hq, L, E = q.shape
+    R = (Hq // a.Hkv) * L
+    Eld = max(E, 1)
+    Evld = max(a.Ev, 1)
+    Bk, n = plan.Bk, plan.hpg
+    Rp = ((R + MR - 1) // MR) * MR
+    return (np.empty((n, R, Eld), q.dtype), np.empty((n, Eld * R), q.dtype),
+            np.empty(Bk * R, q.dtype), np.empty((n, R, Bk), q.dtype),
+            np.empty((n, Rp, Bk), q.dtype), np.empty((n, Rp, Evld), q.dtype),
+            np.empty((n, R), q.dtype), np.empty((n, R), q.dtype), np.empty(1, q.dtype),
+            np.empty(1, q.dtype), np.empty(2, q.dtype))
+
+
+@njit(cache=True, fastmath=FM, nogil=True)
+def _decode_views_item(it, a, plan, pm, pl, pacc):
+    """Item `it` = (batch, group of plan.hpg kv heads, key chunk) of a call on (B, S, H, E)
+    views (scaled_dot_product_attention on split_heads' output: kv heads side by side, no KV
+    cache). Item by kv head, each head's key rows are Hkv*E elements apart and the memory is
+    walked once per head (from DRAM 2.5-3.5x the time of contiguous heads); here each block
+    of plan.Bk keys -- the blocks _decode_item takes -- is read in memory order for the
+    group's heads together: the scores VIEWS_SUB_KEYS keys at a time for each head in turn,
+    then each head's online softmax over its block, then P.V the same way. Every score sums
+    in the same order wherever its key sits (_dec_rows) and each P.V element is one FMA chain
+    over the keys continued from acc (_gemm.dec_pv), so each head's partials have the bits
+    _decode_item leaves (float32 with at most ROWS_MAX rows: decode() plans no other call
+    here). A block that needs more than raw scores (a mask, the band's edge,
+    dropout, softcap or ALiBi) goes through _decode_block head by head, as there."""
+    wide_vectors()
+    q, k, v = a.q, a.k, a.v
+    Bk, nchunks, csize, hpg = plan.Bk, plan.nchunks, plan.csize, plan.hpg
+    B, Hq, L, E = q.shape
+    Hkv = a.Hkv
+    Ev = a.Ev
+    Evld = max(Ev, 1)
+    g = Hq // Hkv
+    R = g * L
+    Eld = max(E, 1)
+    qf = q.reshape(-1)
+    kf = k.reshape(-1)
+    vf = v.reshape(-1)
+    nhg = (Hkv + hpg - 1) // hpg
+    bg = it // nchunks
+    c = it - bg * nchunks
+    b = bg // nhg
+    h0 = (bg - b * nhg) * hpg
+    nh = min(Hkv, h0 + hpg) - h0
+    c_lo = c * csize
+    c_hi = min(a.S, c_lo + csize)
+    # scratch an item (items are few and long: a group's heads over a key chunk)
+    Qs, Qt, SbT, Sb, Pb, acc, m, lsum, Kc, Vc, ab = _views_scratch(a, plan)
+    for x in range(nh):
+        qoff = (b * Hq + (h0 + x) * g) * L * E
+        for r in range(R):
+            for t in range(E):
+                Qs[x, r, t] = qf[qoff + r * E + t]
+                Qt[x, t * R + r] = qf[qoff + r * E + t]
+    acc[:] = 0
+    m[:] = fcast(q, -np.inf)
+    lsum[:] = 0
+    ab[0] = fcast(q, 1.0)
+    ab[1] = fcast(q, 0.0)
+    c_exp = score_units(a)[1]
+    qo = seq_q_offset(a, b)
+    jlo = max(c_lo, qo - a.win_left)
+    jhi = min(min(c_hi, seq_keys(a, b)) - 1, L - 1 + qo + a.win_right)
+    plain = a.mask_kind == 0 and a.dropout_p == 0.0
+    ksH, vsH = a.ksH, a.vsH
+    j0 = jlo
+    while j0 <= jhi:
+        n = min(Bk, jhi + 1 - j0)
+        koff = b * a.ksB + j0 * a.ksS + h0 * ksH
+        voff = b * a.vsB + j0 * a.vsS + h0 * vsH
+        if not (plain and not needs_rows(a, band_partial(a, j0, n, qo, L - 1 + qo), 1)):
+            for x in range(nh):
+                _decode_block(a, b, h0 + x, j0, n, qo, kf, koff + x * ksH, a.ksS, vf,
+                              voff + x * vsH, a.vsS, False, Qs[x], Qt[x], SbT, Sb[x], Pb[x],
+                              acc[x], m[x], lsum[x], ab, Kc, Vc)
+            j0 += n
+            continue
+        for s0 in range(0, n, VIEWS_SUB_KEYS):
+            ns = min(VIEWS_SUB_KEYS, n - s0)
+            if VIEWS_PREFETCH:
+                _prefetch_rows(kf, koff + (s0 + VIEWS_SUB_KEYS) * a.ksS, a.ksS, nh * ksH,
+                               min(VIEWS_SUB_KEYS, jhi + 1 - (j0 + s0 + VIEWS_SUB_KEYS)))
+            for x in range(nh):
+                _dec_qk(Sb[x], s0, Bk, Qs[x], Qt[x], SbT, R, E, Eld, kf,
+                        koff + s0 * a.ksS + x * ksH, a.ksS, ns, ab)
+        for x in range(nh):
+            tile_online(Sb[x], Pb[x], 0, R, n, m[x], lsum[x], acc[x], Ev, c_exp)
+        for s0 in range(0, n, VIEWS_SUB_KEYS):
+            ns = min(VIEWS_SUB_KEYS, n - s0)
+            if VIEWS_PREFETCH:
+                _prefetch_rows(vf, voff + (s0 + VIEWS_SUB_KEYS) * a.vsS, a.vsS, nh * vsH,
+                               min(VIEWS_SUB_KEYS, jhi + 1 - (j0 + s0 + VIEWS_SUB_KEYS)))
+            for x in range(nh):
+                _dec_pv(acc[x], Evld, Pb[x], Bk, s0, vf, voff + s0 * a.vsS + x * vsH, a.vsS, Ev,
+                        ns, R, ab)
+        j0 += n
+
+    for x in range(nh):
+        itk = (b * Hkv + h0 + x) * nchunks + c
+        for r in range(R):
+            pm[itk, r] = m[x, r]
+            pl[itk, r] = lsum[x, r]
+            for t in range(Ev):
+                pacc[itk, r, t] = acc[x, r, t]
+
+
 @njit(cache=True, fastmath=FM, nogil=True)
 def _decode_heads_item(it, a, plan, pm, pl, pacc):
     """Item `it` = (batch, key chunk) for every kv head at once, on a cache whose kv heads' rows
@@ -509,8 +632,9 @@ def _decode_merge(bk, a, plan, pm, pl, pacc, out, lse, kappa):
 
 
 # Blocks of a decode call: keys per block, chunk length (a multiple of Bk), chunks per
-# (batch, kv head), threads, and whether an item takes every kv head (_decode_heads_item).
-DecPlan = namedtuple("DecPlan", "Bk csize nchunks nthreads heads")
+# (batch, kv head), threads, whether an item takes every kv head (_decode_heads_item), and
+# kv heads per item of the views walk (_decode_views_item; 0: item by kv head)
+DecPlan = namedtuple("DecPlan", "Bk csize nchunks nthreads heads hpg")
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -528,13 +652,15 @@ def _decode_kernel(a, out, lse, plan):
     # workers claim items dynamically (see forward): decode items are few and
     # large, so one slow thread would otherwise set the call's time
     counter = counters(1)
-    # heads together: one loop iteration is (batch, chunk) for every kv head
-    n_loop = B * nchunks if plan.heads else n_items
+    # heads together: one loop iteration is (batch, chunk) for every kv head, or for a group
+    # of plan.hpg of them (views)
+    nhg = (Hkv + plan.hpg - 1) // max(plan.hpg, 1)
+    n_loop = B * nchunks if plan.heads else B * nhg * nchunks if plan.hpg else n_items
     # Chunks finished per (batch, kv head), per batch when an item takes every kv head: the
     # worker that finishes a group's last chunk merges it (atomic_count orders the other
     # chunks' partials before it). A merge in a second parallel region woke the passive pool
     # a second time and waited for it again: ~80 us a call on two threads here.
-    done = counters(B if plan.heads else B * Hkv)
+    done = counters(B if plan.heads else B * nhg if plan.hpg else B * Hkv)
     kappa = score_units(a)[2]
     for w in prange(min(plan.nthreads, n_loop)):
         ws = _item_scratch(a, plan)
@@ -545,6 +671,8 @@ def _decode_kernel(a, out, lse, plan):
             grp = it // nchunks
             if plan.heads:
                 _decode_heads_item(it, a, plan, pm, pl, pacc)
+            elif plan.hpg:
+                _decode_views_item(it, a, plan, pm, pl, pacc)
             else:
                 _decode_item(it, a, plan, pm, pl, pacc, ws)
             if nchunks > 1 and atomic_count(done, grp) < nchunks - 1:
@@ -552,6 +680,11 @@ def _decode_kernel(a, out, lse, plan):
             if plan.heads:
                 for hk in range(Hkv):
                     _decode_merge(grp * Hkv + hk, a, plan, pm, pl, pacc, out, lse, kappa)
+            elif plan.hpg:
+                b = grp // nhg
+                h0 = (grp - b * nhg) * plan.hpg
+                for hk in range(h0, min(Hkv, h0 + plan.hpg)):
+                    _decode_merge(b * Hkv + hk, a, plan, pm, pl, pacc, out, lse, kappa)
             else:
                 _decode_merge(grp, a, plan, pm, pl, pacc, out, lse, kappa)
 
@@ -584,12 +717,18 @@ def decode(args, out, lse):
     # the kv heads' rows side by side (a flash-layout cache read in place): items take every
     # kv head (_decode_heads_item), in blocks whose K and V for all heads fit the L2 share.
     # Only for a KV cache's call (seqlens given): the blocks and chunks differ from the
-    # head-by-head walk's, and so do the sums' roundings; scaled_dot_product_attention on
-    # (B, S, H, E) views walks head by head, with the bits of contiguous copies (as
-    # csrc/decode.pxi dec_heads_together)
-    heads = bool(HEADS_TOGETHER and args.has_seqlens and Hkv >= 2
-                 and args.k_strides[1] < args.k_strides[2]
-                 and args.v_strides[1] < args.v_strides[2])
+    # head-by-head walk's, and so do the sums' roundings (as csrc/decode.pxi
+    # dec_heads_together)
+    side_by_side = (Hkv >= 2 and args.k_strides[1] < args.k_strides[2]
+                    and args.v_strides[1] < args.v_strides[2])
+    heads = bool(HEADS_TOGETHER and args.has_seqlens and side_by_side)
+    # ... and scaled_dot_product_attention's (B, S, H, E) views: float32 rows scored in
+    # _dec_rows' kernels, groups of kv heads an item (_decode_views_item), the bits of the
+    # head-by-head walk
+    views = bool(VIEWS_TOGETHER and side_by_side and not heads and not args.has_block_table
+                 and not args.kv_kind and q.dtype == np.float32
+                 and Hq // Hkv * L <= ROWS_MAX
+                 and B * Hkv * S * (E + args.v.shape[3]) * q.itemsize > VIEWS_MIN_BYTES)
     if heads and not args.tuning.decode_block_k:
         if args.kv_kind:          # a low-precision cache
             Bk = HEADS_LOWP_BLOCK_KEYS
@@ -609,7 +748,8 @@ def decode(args, out, lse):
         # chunk length: a multiple of Bk so only the last block of a chunk is short
         csize = max(-(-(-(-S // nc)) // Bk) * Bk, 1)
         nc = max(1, -(-S // csize))
-        _decode_kernel(numba_args(args), out, lse, DecPlan(Bk, csize, nc, nt, heads))
+        hpg = views_heads(B, Hkv, nc, nt) if views else 0
+        _decode_kernel(numba_args(args), out, lse, DecPlan(Bk, csize, nc, nt, heads, hpg))
 
 
 # Heads-together decode: the K and V of a block of keys for every kv head within this much
@@ -631,3 +771,33 @@ HEADS_BLOCK_KEYS = 48
 HEADS_LOWP_BLOCK_KEYS = 960
 HEADS_ITEMS_PER_THREAD = 32
 HEADS_MIN_CHUNK = 1024
+# The views walk (_decode_views_item): on (False: head by head, A/B measurements); keys a
+# group's heads score (and multiply by V) in turn, each such sub-block prefetching the next
+# one's rows in address order; items per thread at least (views_heads). split_heads views,
+# 12 heads d64, 2 threads, medians of 7 interleaved rounds (views walk / head by head /
+# contiguous copies, ms; /work/scratch/s22/nbv.py): 4096 keys 1.15-1.26 / 1.28-2.01 /
+# 0.68-0.93, 16384 keys 4.5-6.2 / 6.4-10.0 / 3.3-4.5. Without the prefetch the walk took
+# 1.50-2.16x (4096) and 1.55-1.60x (16384) the contiguous time against 1.31-1.74x and
+# 1.36-1.47x with it; 48-key sub-blocks lost to 16 (a one-thread sweep 8-240: 16 best).
+# From DRAM numba's walk stays ~1.4x the contiguous time where cython's reaches ~1.1x.
+# Below VIEWS_MIN_BYTES of K/V (the L3 we get holds 8-16 MiB, see csrc/decode.pxi
+# DEC1_PREFETCH_BYTES) the rows come from cache either way and the walk's calls cost more than
+# the order gains: each sub-block's kernel calls pass the head's tiles, ~20% of the samples in
+# reference counting; 12 heads d64 at 1024 keys (6 MiB, one thread) took 316-328 us against
+# 205-226 head by head.
+VIEWS_TOGETHER = True
+VIEWS_MIN_BYTES = 8 << 20
+VIEWS_SUB_KEYS = 16
+VIEWS_PREFETCH = True
+VIEWS_ITEMS_PER_THREAD = 2
+
+
+def views_heads(B, Hkv, nchunks, nt):
+    """kv heads an item of the views walk: all, or as few groups as give each thread
+    VIEWS_ITEMS_PER_THREAD items (csrc/decode.pxi dec_views_heads: more heads an item read
+    more of each key row in order, which pays from DRAM)."""
+    if nt == 1:
+        return Hkv
+    units = B * nchunks
+    groups = min(Hkv, -(-VIEWS_ITEMS_PER_THREAD * nt // units))
+    return -(-Hkv // groups)
