@@ -778,8 +778,8 @@ HEADS_MIN_CHUNK = 1024
 # contiguous copies, ms; /work/scratch/s22/nbv.py): 4096 keys 1.15-1.26 / 1.28-2.01 /
 # 0.68-0.93, 16384 keys 4.5-6.2 / 6.4-10.0 / 3.3-4.5. Without the prefetch the walk took
 # 1.50-2.16x (4096) and 1.55-1.60x (16384) the contiguous time against 1.31-1.74x and
-# 1.36-1.47x with it; 48-key sub-blocks lost to 16 (a one-thread sweep 8-240: 16 best).
-# From DRAM numba's walk stays ~1.4x the contiguous time where cython's reaches ~1.1x.
+# 1.36-1.47x with it; a noisy one-thread sweep of 8-240 keys a sub-block favored 16.
+# From DRAM numba's walk stays ~1.4-1.6x the contiguous time where cython's is ~1.1-1.4x.
 # Below VIEWS_MIN_BYTES of K/V (the L3 we get holds 8-16 MiB, see csrc/decode.pxi
 # DEC1_PREFETCH_BYTES) the rows come from cache either way and the walk's calls cost more than
 # the order gains: each sub-block's kernel calls pass the head's tiles, ~20% of the samples in
