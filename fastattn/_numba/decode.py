@@ -685,15 +685,13 @@ def _decode_kernel(a, out, lse, plan):
     # workers claim items dynamically (see forward): decode items are few and
     # large, so one slow thread would otherwise set the call's time
     counter = counters(1)
-    # heads together: one loop iteration is (batch, chunk) for every kv head, or for a group
-    # of plan.hpg of them (views)
-    nhg = (Hkv + plan.hpg - 1) // max(plan.hpg, 1)
-    n_loop = B * nchunks if plan.heads else B * nhg * nchunks if plan.hpg else n_items
+    # heads together: one loop iteration is (batch, chunk) for every kv head
+    n_loop = B * nchunks if plan.heads else n_items
     # Chunks finished per (batch, kv head), per batch when an item takes every kv head: the
     # worker that finishes a group's last chunk merges it (atomic_count orders the other
     # chunks' partials before it). A merge in a second parallel region woke the passive pool
     # a second time and waited for it again: ~80 us a call on two threads here.
-    done = counters(B if plan.heads else B * nhg if plan.hpg else B * Hkv)
+    done = counters(B if plan.heads else B * Hkv)
     kappa = score_units(a)[2]
     for w in prange(min(plan.nthreads, n_loop)):
         ws = _item_scratch(a, plan)
@@ -704,8 +702,6 @@ def _decode_kernel(a, out, lse, plan):
             grp = it // nchunks
             if plan.heads:
                 _decode_heads_item(it, a, plan, pm, pl, pacc)
-            elif plan.hpg:
-                _decode_views_item(it, a, plan, pm, pl, pacc)
             else:
                 _decode_item(it, a, plan, pm, pl, pacc, ws)
             if nchunks > 1 and atomic_count(done, grp) < nchunks - 1:
@@ -713,13 +709,41 @@ def _decode_kernel(a, out, lse, plan):
             if plan.heads:
                 for hk in range(Hkv):
                     _decode_merge(grp * Hkv + hk, a, plan, pm, pl, pacc, out, lse, kappa)
-            elif plan.hpg:
-                b = grp // nhg
-                h0 = (grp - b * nhg) * plan.hpg
-                for hk in range(h0, min(Hkv, h0 + plan.hpg)):
-                    _decode_merge(b * Hkv + hk, a, plan, pm, pl, pacc, out, lse, kappa)
             else:
                 _decode_merge(grp, a, plan, pm, pl, pacc, out, lse, kappa)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _decode_views_kernel(a, out, lse, plan):
+    """_decode_kernel for the views walk: items of plan.hpg kv heads (_decode_views_item), the
+    last chunk of a group merging each of its heads. A kernel of its own so that numba's first
+    decode call does not compile the walk: inside _decode_kernel it took that call (a cold
+    cache) from ~51 to ~69 s, past the quick bench preset's 60 s per process."""
+    B, Hq, L, E = a.q.shape
+    Hkv = a.Hkv
+    R = (Hq // Hkv) * L
+    nchunks, hpg = plan.nchunks, plan.hpg
+    n_items = B * Hkv * nchunks
+    pm = np.empty((n_items, R), a.q.dtype)
+    pl = np.empty((n_items, R), a.q.dtype)
+    pacc = np.empty((n_items, R, max(a.Ev, 1)), a.q.dtype)
+    nhg = (Hkv + hpg - 1) // hpg
+    n_loop = B * nhg * nchunks
+    counter = counters(1)
+    done = counters(B * nhg)
+    kappa = score_units(a)[2]
+    for w in prange(min(plan.nthreads, n_loop)):
+        while True:
+            it = atomic_next(counter)
+            if it >= n_loop:
+                break
+            _decode_views_item(it, a, plan, pm, pl, pacc)
+            grp = it // nchunks
+            if nchunks > 1 and atomic_count(done, grp) < nchunks - 1:
+                continue
+            b = grp // nhg
+            for hk in range((grp - b * nhg) * hpg, min(Hkv, (grp - b * nhg + 1) * hpg)):
+                _decode_merge(b * Hkv + hk, a, plan, pm, pl, pacc, out, lse, kappa)
 
 
 def decode_chunks(B, Hkv, S, n_threads, Bk):
@@ -781,8 +805,11 @@ def decode(args, out, lse):
         # chunk length: a multiple of Bk so only the last block of a chunk is short
         csize = max(-(-(-(-S // nc)) // Bk) * Bk, 1)
         nc = max(1, -(-S // csize))
-        hpg = views_heads(B, Hkv, nc, nt) if views else 0
-        _decode_kernel(numba_args(args), out, lse, DecPlan(Bk, csize, nc, nt, heads, hpg))
+        if views:
+            _decode_views_kernel(numba_args(args), out, lse,
+                                 DecPlan(Bk, csize, nc, nt, heads, views_heads(B, Hkv, nc, nt)))
+        else:
+            _decode_kernel(numba_args(args), out, lse, DecPlan(Bk, csize, nc, nt, heads, 0))
 
 
 # Heads-together decode: the K and V of a block of keys for every kv head within this much
