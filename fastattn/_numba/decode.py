@@ -386,8 +386,8 @@ def _views_pv(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R, ab):  # pragma: no
 
 @overload(_views_qk, inline="always")
 def _views_qk_ol(Sb, c0, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, ldk, n, ab):
-    """_dec_qk for _decode_views_item, which decode() plans for float32 rows only; the kernel is
-    also compiled for a low-precision cache's int8/uint16 rows, where this does nothing."""
+    """_dec_qk for _decode_views_item, which decode() plans for float32 rows only: for a low-
+    precision cache's int8/uint16 rows (never planned here) this compiles to nothing."""
     if kf.dtype in (types.float32, types.float64):
         def impl(Sb, c0, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, ldk, n, ab):
             _dec_qk(Sb, c0, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, ldk, n, ab)
