@@ -79,13 +79,20 @@ fa_dg_pv_cols_(const int R, const float *P, ptrdiff_t n, const float *V, ptrdiff
 }
 
 /* One block of nb <= FA_D1_BK keys for R rows; rows [0, nn) of Kpf / Vpf are prefetched
- * meanwhile (K during the first row's scores, V during the first P·V panel). */
+ * meanwhile (K during the first row's scores, V during the first P·V panel).  NE > 0: E = Ev
+ * = 16 NE known at compile time (fa_decode1.h's fa_d1_loop_: whole-vector loads that fold
+ * into the FMAs, the same bits).  Used for d = 128 only: a C harness calling the kernel (8 kv
+ * heads x 1024 keys, one thread, Zen 4, arguments read at run time, best of 1000, three
+ * alternating runs) went 187-189 -> 176-179 us at R = 2, 276-286 -> 263-269 at R = 4,
+ * 532-541 -> 500-505 at R = 8; the d = 64 copy was 1-8% slower than the general loop (R = 2,
+ * 4, 8) and is not built. */
 static inline __attribute__((always_inline)) FA_A512 void
-fa_dg_block_(const int R, const float *q, ptrdiff_t ldq, const float *Kb, ptrdiff_t ldk,
-             const float *Vb, ptrdiff_t ldv, ptrdiff_t nb, ptrdiff_t E, ptrdiff_t Ev,
-             float scale, float *m, double *l, float *O, ptrdiff_t ldo, int kind,
+fa_dg_block_(const int R, const int NE, const float *q, ptrdiff_t ldq, const float *Kb,
+             ptrdiff_t ldk, const float *Vb, ptrdiff_t ldv, ptrdiff_t nb, ptrdiff_t E_,
+             ptrdiff_t Ev_, float scale, float *m, double *l, float *O, ptrdiff_t ldo, int kind,
              const float *Kpf, const float *Vpf, ptrdiff_t nn)
 {
+    const ptrdiff_t E = NE ? 16 * NE : E_, Ev = NE ? 16 * NE : Ev_;
     float P[FA_DG_MAXR * FA_D1_BK] __attribute__((aligned(64)));
     const int ng = (int)((nb + 15) / 16);
     for (int r = 0; r < R; r++) {
@@ -95,7 +102,9 @@ fa_dg_block_(const int R, const float *q, ptrdiff_t ldq, const float *Kb, ptrdif
             if (r == 0 && 16 * g < nn)
                 fa_d1_prefetch_(Kpf, ldk, E, 16 * g,
                                 16 * g + 16 < nn ? 16 * g + 16 : nn, kind);
-            s[g] = fa_d1_scores_(q + r * ldq, E, Kb, ldk, 16 * g, nb, scale);
+            s[g] = NE ? fa_d1_scores16_(NE, q + r * ldq, (__mmask16)0xFFFF, Kb, ldk, 16 * g,
+                                        nb, scale)
+                      : fa_d1_scores_(q + r * ldq, E, Kb, ldk, 16 * g, nb, scale);
             if (16 * g + 16 > nb)                   /* keys past the end: -inf */
                 s[g] = _mm512_mask_blend_ps((__mmask16)((1u << (nb - 16 * g)) - 1),
                                             _mm512_set1_ps(-__builtin_inff()), s[g]);
@@ -126,10 +135,15 @@ fa_dg_block_(const int R, const float *q, ptrdiff_t ldq, const float *Kb, ptrdif
     fa_dg_pv_cols_(R, P, nb, Vb, ldv, Ev, O, ldo, Vpf, nn, kind);
 }
 
+#define FA_DG_BLOCK(RR, NE)                                                                \
+    fa_dg_block_(RR, NE, q, ldq, K + j0 * ldk, ldk, V + j0 * ldv, ldv, nb, E, Ev, scale, m,  \
+                 l, O, ldo, pf_kind, Kpf + j0 * ldk, Vpf + j0 * ldv, nn)
 #define FA_DG_CASE(RR)                                                                     \
     case RR:                                                                               \
-        fa_dg_block_(RR, q, ldq, K + j0 * ldk, ldk, V + j0 * ldv, ldv, nb, E, Ev, scale, m, \
-                     l, O, ldo, pf_kind, Kpf + j0 * ldk, Vpf + j0 * ldv, nn);                 \
+        if (E == 128 && Ev == 128)                                                         \
+            FA_DG_BLOCK(RR, 8);                                                            \
+        else                                                                               \
+            FA_DG_BLOCK(RR, 0);                                                            \
         break;
 
 /* Rows q[r * ldq], r < R (2 <= R <= FA_DG_MAXR), against keys [0, n) of K (stride ldk) and V
@@ -170,6 +184,7 @@ static FA_A512 void fa_decodeg_f_avx512(int R, const float *q, ptrdiff_t ldq, co
     }
 }
 #undef FA_DG_CASE
+#undef FA_DG_BLOCK
 
 #else
 static inline void fa_decodeg_f_avx512(int R, const float *q, ptrdiff_t ldq, const float *K,

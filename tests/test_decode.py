@@ -88,16 +88,30 @@ def test_decode_threads_do_not_change_results(backend, rng, monkeypatch):
     np.testing.assert_allclose(one, two, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("E,Ev", [(8, 8), (33, 17), (64, 64), (128, 200), (144, 64)])
+@pytest.mark.parametrize("E,Ev", [(8, 8), (33, 17), (64, 64), (128, 128), (128, 200),
+                                  (144, 64)])
 @pytest.mark.parametrize("S", [1, 15, 64, 65, 1000, 2500])
 def test_mha_decode_one_row_per_head(backend, rng, E, Ev, S):
     """Hq = Hkv, L = 1 (cython: the one-row kernel, fa_decode1.h): head dims with vector tails
-    and above 128 (its long path), cache lengths around its 16-key groups and 64-key blocks,
-    split over threads or not, and a band cutting the keys."""
+    and above 128 (its long path), d = 64 and 128 (its copies compiled for them), cache
+    lengths around its 16-key groups and 64-key blocks, split over threads or not, and a band
+    cutting the keys."""
     q, k, v = cache(rng, 2, 12, 12, 1, S, E=E, Ev=Ev)
     check_sdpa(q, k, v, backend)
     check_sdpa(q, k, v, backend, is_causal=True, causal_alignment="bottom_right",
                window=(S // 3, 0))
+
+
+@pytest.mark.parametrize("E,Ev", [(64, 64), (128, 128), (128, 96), (80, 80)])
+@pytest.mark.parametrize("G", [2, 4, 7, 8])
+def test_gqa_decode_group_kernel_head_dims(backend, rng, E, Ev, G):
+    """G query rows per kv head, L = 1 (cython: the group kernel, fa_decodeg.h, and its copy
+    compiled for d = 128), cache lengths not a multiple of its 16-key groups, and a band."""
+    for S in (37, 1000):
+        q, k, v = cache(rng, 2, 2 * G, 2, 1, S, E=E, Ev=Ev)
+        check_sdpa(q, k, v, backend, enable_gqa=True)
+        check_sdpa(q, k, v, backend, enable_gqa=True, is_causal=True,
+                   causal_alignment="bottom_right", window=(S // 3, 0))
 
 
 def test_mha_decode_extreme_scores_and_nan(backend, rng):
