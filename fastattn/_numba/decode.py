@@ -33,7 +33,7 @@ from ._record import numba_args, positive
 from ._scores import (
     alibi_slope, band_partial, group_block_status, mask_base, needs_rows, score_units,
     sink_logit, tile_scores)
-from ._tiles import block_all_finite, pv_nonfinite, sink_row, tile_dropout, tile_online
+from ._tiles import pv_nonfinite, sink_row, tile_dropout, tile_online
 from ._gemm import MR, dec_pv, dec_pv_bf16, dec_pv_f16, dec_pv_i8, dec_qk
 from ._dec_rows import ROWS_MAX, dec_qk_rows, dec_qk_rows_stored
 
@@ -376,39 +376,6 @@ def _decode_item(it, a, plan, pm, pl, pacc, ws):
             pacc[it, r, t] = acc[r, t]
 
 
-def _views_qk(Sb, c0, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, ldk, n, ab):  # pragma: no cover
-    raise NotImplementedError
-
-
-def _views_pv(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R, ab):  # pragma: no cover
-    raise NotImplementedError
-
-
-@overload(_views_qk, inline="always")
-def _views_qk_ol(Sb, c0, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, ldk, n, ab):
-    """_dec_qk for _decode_views_item, which decode() plans for float32 rows only: for a low-
-    precision cache's int8/uint16 rows (never planned here) this compiles to nothing."""
-    if kf.dtype in (types.float32, types.float64):
-        def impl(Sb, c0, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, ldk, n, ab):
-            _dec_qk(Sb, c0, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, ldk, n, ab)
-    else:
-        def impl(Sb, c0, Bk, Qs, Qt, SbT, R, E, Eld, kf, koff, ldk, n, ab):
-            pass
-    return impl
-
-
-@overload(_views_pv, inline="always")
-def _views_pv_ol(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R, ab):
-    """_dec_pv for _decode_views_item (as _views_qk)."""
-    if vf.dtype in (types.float32, types.float64):
-        def impl(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R, ab):
-            _dec_pv(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R, ab)
-    else:
-        def impl(acc, Evld, Pb, Bk, p0, vf, voff, ldv, Ev, n, R, ab):
-            pass
-    return impl
-
-
 @njit(nogil=True, inline='always')
 def _prefetch_rows(af, off, ld, width, n):
     """Prefetch into L2 the first `width` elements of n rows ld apart from af[off], in address
@@ -508,7 +475,7 @@ def _decode_views_item(it, a, plan, pm, pl, pacc):
                 _prefetch_rows(kf, koff + (s0 + VIEWS_SUB_KEYS) * a.ksS, a.ksS, nh * ksH,
                                min(VIEWS_SUB_KEYS, jhi + 1 - (j0 + s0 + VIEWS_SUB_KEYS)))
             for x in range(nh):
-                _views_qk(Sb[x], s0, Bk, Qs[x], Qt[x], SbT, R, E, Eld, kf,
+                _dec_qk(Sb[x], s0, Bk, Qs[x], Qt[x], SbT, R, E, Eld, kf,
                           koff + s0 * a.ksS + x * ksH, a.ksS, ns, ab)
         for x in range(nh):
             tile_online(Sb[x], Pb[x], 0, R, n, m[x], lsum[x], acc[x], Ev, c_exp)
@@ -518,7 +485,7 @@ def _decode_views_item(it, a, plan, pm, pl, pacc):
                 _prefetch_rows(vf, voff + (s0 + VIEWS_SUB_KEYS) * a.vsS, a.vsS, nh * vsH,
                                min(VIEWS_SUB_KEYS, jhi + 1 - (j0 + s0 + VIEWS_SUB_KEYS)))
             for x in range(nh):
-                _views_pv(acc[x], Evld, Pb[x], Bk, s0, vf, voff + s0 * a.vsS + x * vsH, a.vsS,
+                _dec_pv(acc[x], Evld, Pb[x], Bk, s0, vf, voff + s0 * a.vsS + x * vsH, a.vsS,
                           Ev, ns, R, ab)
         j0 += n
 
