@@ -247,12 +247,16 @@ FA_D2_INL void fa_d2_pv_cols_(const int R, const int SPREAD, const float *P, ptr
  * to the scores was no faster there and at R = 2, d = 128 1.03-1.27x slower: those rows want
  * a key every ~20 ns, more than DRAM gives one thread, and the doubled burst of prefetches
  * only queued); three or more, with K's during the scores (fa_d2_scores_rows_). */
-FA_D2_INL void fa_d2_block_(const int R, const float *q, ptrdiff_t ldq, const float *Kb,
-                            ptrdiff_t ldk, const float *Vb, ptrdiff_t ldv, ptrdiff_t nb,
-                            ptrdiff_t E, ptrdiff_t Ev, float scale, float *m, double *l,
-                            float *O, ptrdiff_t ldo, int kind, const float *Kpf,
+FA_D2_INL void fa_d2_block_(const int R, const int CE, const float *q, ptrdiff_t ldq,
+                            const float *Kb, ptrdiff_t ldk, const float *Vb, ptrdiff_t ldv,
+                            ptrdiff_t nb, ptrdiff_t E, ptrdiff_t Ev, float scale, float *m,
+                            double *l, float *O, ptrdiff_t ldo, int kind, const float *Kpf,
                             const float *Vpf, ptrdiff_t nn, const int SPREAD)
 {
+    if (CE) {                         /* E = Ev = CE known at compile time (FA_D2_CASE) */
+        E = CE;
+        Ev = CE;
+    }
     const ptrdiff_t Evpf = R > 2 && !SPREAD ? Ev : 0;      /* V's prefetch in the scores */
     float P[FA_DG_MAXR * FA_D1_BK] __attribute__((aligned(32)));
     const int ng = (int)((nb + 7) / 8);
@@ -310,10 +314,22 @@ FA_D2_INL void fa_d2_block_(const int R, const float *q, ptrdiff_t ldq, const fl
     fa_d2_pv_cols_(R, SPREAD, P, nb, Vb, ldv, Ev, O, ldo, Vpf, Evpf ? 0 : nn, kind);
 }
 
+/* One row at d = 64 (not spread: that needs Ev > 64) runs a copy compiled for the head dim,
+ * its e loops unrolled.  A C harness calling the kernel (AVX2 copy on a Zen 4 guest, one
+ * thread, 1024 keys, arguments read at run time, best of 1000, alternating runs): R = 1
+ * d = 64 (12 heads) 95.6-100.1 -> 77.2-90.8 us (six runs, two builds); R = 1 d = 128 no
+ * change (131-132 both); with E = 64 or 128 known for R = 2, 4, 8 the copies were 1.2-1.4x
+ * slower (R = 4 d = 128 251-263 -> 340-352 us: the unrolled scores spill the 16 ymm
+ * registers), so only this one. */
+#define FA_D2_BLOCK(RR, CE, SP)                                                            \
+    fa_d2_block_(RR, CE, q, ldq, K + j0 * ldk, ldk, V + j0 * ldv, ldv, nb, E, Ev, scale, m,  \
+                 l, O, ldo, pf_kind, Kpf + j0 * ldk, Vpf + j0 * ldv, nn, SP)
 #define FA_D2_CASE(RR, SP)                                                                 \
     case RR:                                                                               \
-        fa_d2_block_(RR, q, ldq, K + j0 * ldk, ldk, V + j0 * ldv, ldv, nb, E, Ev, scale, m, \
-                     l, O, ldo, pf_kind, Kpf + j0 * ldk, Vpf + j0 * ldv, nn, SP);             \
+        if (RR == 1 && !(SP) && E == 64 && Ev == 64)                                       \
+            FA_D2_BLOCK(RR, 64, SP);                                                       \
+        else                                                                               \
+            FA_D2_BLOCK(RR, 0, SP);                                                        \
         break;
 
 /* Rows q[r * ldq], r < R (1 <= R <= FA_DG_MAXR), against keys [0, n) of K (stride ldk) and V
@@ -376,6 +392,7 @@ static FA_A2 void fa_decodeg_f_avx2(int R, const float *q, ptrdiff_t ldq, const 
     }
 }
 #undef FA_D2_CASE
+#undef FA_D2_BLOCK
 
 /* this kernel serves a call: the AVX2 copy is selected and both head dims are multiples of 8 */
 static inline int fa_decode_avx2_available(ptrdiff_t E, ptrdiff_t Ev)
