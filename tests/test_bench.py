@@ -95,6 +95,26 @@ def test_timeout_is_recorded_and_larger_cases_skipped():
     assert second["error"].startswith("skipped") and "L=16" in second["error"]
 
 
+def test_jit_warm_up_is_not_cut_at_the_timed_runs_timeout(monkeypatch):
+    """numba's cold compile of a kernel family can outlast a timed run's timeout (the quick
+    preset's 60 s): the warm-up processes get WARM_TIMEOUT_S, the timed runs their own."""
+    seen = []
+
+    def fake_worker(spec, timeout, mem_limit):
+        seen.append((spec["impl"], spec["max_repeats"], timeout))
+        return {"error": "failed: not run here"}
+
+    monkeypatch.setattr(runner, "run_worker", fake_worker)
+    r = _runner(["fastattn-numba", "fastattn-numpy"], timeout=60.0)
+    decode = Case("t", "fwd", 1, 4, 2, 1, 256, 8)                    # L = 1: a decode
+    r.warm_jit([TINY, decode])
+    assert sorted(seen) == [("fastattn-numba", 1, runner.WARM_TIMEOUT_S)] * 2
+    assert runner.WARM_TIMEOUT_S > 60.0
+    seen.clear()
+    r.run_case(TINY, 0)
+    assert seen and all(t == 60.0 for _, _, t in seen)
+
+
 def test_memory_cap_stops_the_run_and_is_recorded():
     spec = dict(impl="seed-numpy", threads=1, case=TINY.to_dict())
     res = runner.run_worker(spec, timeout=60.0, mem_limit=1.0)      # any process is over 1 byte

@@ -27,6 +27,9 @@ from .impls import SEED, TORCH, unsupported_reason
 from .probes import PREFIX as PROBE_PREFIX
 from .worker import RESULT_PREFIX
 
+# seconds a JIT warm-up process may take (Runner.warm_jit): compiling, not timed
+WARM_TIMEOUT_S = 600.0
+
 
 def worker_env(threads: int) -> dict:
     env = dict(os.environ)
@@ -127,11 +130,15 @@ class Runner:
     def warm_jit(self, case_list) -> None:
         """Compile the JIT implementations' kernels before anything is timed, all at once.
 
-        numba compiles a kernel family the first time a process calls it (15-30 s each) and
-        caches it on disk; the timed workers would otherwise do it one after the other, in
-        their untimed warm-up calls. One small case per kind of call (forward, decode,
-        backward) compiles the same specializations: the kernels' argument types do not
-        depend on the sizes. With a warm cache this costs about a second.
+        numba compiles a kernel family the first time a process calls it (15-55 s each, the
+        decode family the longest) and caches it on disk; the timed workers would otherwise do
+        it one after the other, in their untimed warm-up calls. One small case per kind of call
+        (forward, decode, backward) compiles the same specializations: the kernels' argument
+        types do not depend on the sizes. With a warm cache this costs about a second.
+        These processes get WARM_TIMEOUT_S, not the timed runs' timeout: the three compile
+        side by side, and on two cores the decode family's took longer than the quick preset's
+        60 s (a fresh clone's README benchmark then recorded numba's decode as timed out, the
+        killed compile having cached nothing).
         """
         jit = [i for i in self.impls if i == "fastattn-numba"]
         kinds = {}
@@ -147,7 +154,8 @@ class Runner:
         warm = dict(min_time=0.0, max_repeats=1)
         with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
             list(pool.map(lambda job: run_worker({**self._spec(job[0], job[1]), **warm},
-                                                 self.timeout, self.mem_limit), jobs))
+                                                 max(self.timeout, WARM_TIMEOUT_S),
+                                                 self.mem_limit), jobs))
 
     def _tick(self, label: str) -> None:
         if self.progress:
