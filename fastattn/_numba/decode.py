@@ -476,7 +476,7 @@ def _decode_views_item(it, a, plan, pm, pl, pacc):
                                min(VIEWS_SUB_KEYS, jhi + 1 - (j0 + s0 + VIEWS_SUB_KEYS)))
             for x in range(nh):
                 _dec_qk(Sb[x], s0, Bk, Qs[x], Qt[x], SbT, R, E, Eld, kf,
-                          koff + s0 * a.ksS + x * ksH, a.ksS, ns, ab)
+                        koff + s0 * a.ksS + x * ksH, a.ksS, ns, ab)
         for x in range(nh):
             tile_online(Sb[x], Pb[x], 0, R, n, m[x], lsum[x], acc[x], Ev, c_exp)
         for s0 in range(0, n, VIEWS_SUB_KEYS):
@@ -486,7 +486,7 @@ def _decode_views_item(it, a, plan, pm, pl, pacc):
                                min(VIEWS_SUB_KEYS, jhi + 1 - (j0 + s0 + VIEWS_SUB_KEYS)))
             for x in range(nh):
                 _dec_pv(acc[x], Evld, Pb[x], Bk, s0, vf, voff + s0 * a.vsS + x * vsH, a.vsS,
-                          Ev, ns, R, ab)
+                        Ev, ns, R, ab)
         j0 += n
 
     for x in range(nh):
