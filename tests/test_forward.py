@@ -203,6 +203,23 @@ def test_bfloat16(backend, rng):
     assert np.abs(out.astype(np.float64) - ref).max() < 2e-2
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("L", [1, 3, 40])
+@pytest.mark.parametrize("S,E", [(1, 1), (1, 8), (3, 1)])
+def test_kv_broadcast_over_the_batch(backend, rng, dtype, L, S, E):
+    """One K/V shared by every batch element, np.broadcast_to(k[:1], ...) (a shared prompt's
+    cache): a stride-0 batch axis, and numpy gives the axes of length 1 stride 0 too. The second
+    call of a kind runs through its call plan (_fastpath), which hands such views to the kernels
+    as they are; numba's float64 kernels then passed that 0 (the key axis of a one-key cache) to
+    BLAS as a leading dimension: DGEMM refused it and left the scores unwritten (out off by 1)."""
+    q, k, v = qkv(rng, B=3, Hq=2, L=L, S=S, E=E, Ev=2, dtype=dtype)
+    k, v = (np.broadcast_to(x[:1], x.shape) for x in (k, v))
+    assert k.strides[0] == 0
+    for _ in range(2):
+        check_sdpa(q, k, v, backend)
+        check_sdpa(q, k, v, backend, is_causal=True, causal_alignment="bottom_right")
+
+
 def test_large_values_stay_finite(backend, rng):
     q, k, v = qkv(rng, L=20, S=40, E=16)
     check_sdpa(q * 100, k * 100, v, backend)

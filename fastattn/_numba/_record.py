@@ -103,6 +103,14 @@ def numba_args(a: KernelArgs) -> NumbaArgs:
     """The record without nested tuples (one per call, a few microseconds)."""
     k, v = a.k, a.v
     ks, vs = a.k_strides, a.v_strides
+    # The row stride of a one-row key axis addresses nothing and may be anything (broadcast_to
+    # leaves 0), but the float64 kernels hand it to BLAS as a leading dimension, which must be
+    # at least the row's length: DGEMM rejected 0 ("parameter number 8 had an illegal value")
+    # and left the scores unwritten, so a (B, H, 1, E) cache broadcast over B gave garbage.
+    if k.shape[2] == 1:
+        ks = (ks[0], ks[1], max(k.shape[3], 1))
+    if v.shape[2] == 1:
+        vs = (vs[0], vs[1], max(v.shape[3], 1))
     S = a.block_table.shape[1] * a.page_size if a.has_block_table else k.shape[2]
     dims = (k.shape[1], S, v.shape[3])
     if a.has_seqlens or a.has_block_table or a.kv_kind or not (k.flags.c_contiguous
