@@ -165,9 +165,9 @@ def test_float32_error_with_large_logits_sweep(backend):
     GQA, causal or not, each float32 gradient's error must stay at the level of the naive
     float32 computation's: geometric mean of err / naive_err <= 1.15, and err > 2 x naive_err
     in at most 1/8 of the cases. (tests/test_fuzz.py's per-case rule gives such rows a rounding
-    budget, _rounding_bound; a systematic extra error is caught here instead.) Measured on a
-    Zen 4 (AVX-512): geometric means cython 0.67-0.85, numba 0.76-0.81, numpy 0.96-1.00; at
-    most 2 of 48 cases above 2x."""
+    budget, _rounding_bound; a systematic extra error is caught here instead.) Measured on an
+    AVX2 AMD EPYC (no AVX-512): geometric means cython 0.67-0.85, numba 0.76-0.81, numpy
+    0.96-1.00; at most 2 of 48 cases above 2x."""
     ratios = {"dq": [], "dk": [], "dv": []}
     for seed in range(48):
         rng = np.random.default_rng(5000 + seed)
