@@ -350,13 +350,13 @@ def _rounding_bound(case, backward=False):
             out_b = np.einsum("bhls,bhlsc->bhlc", d, dout) + u * (Pk @ np.abs(v))
             lse_b = (P * d).sum(-1) + u * (1 + np.abs(lse))
             return tuple(np.where(np.isfinite(t), t, 0) for t in (out_b, lse_b))
-        g = np.abs(np.asarray(case["g"], np.float64).reshape(B, Hq, L, Ev))
+        grad_out = np.asarray(case["g"], np.float64).reshape(B, Hq, L, Ev)
+        g = np.abs(grad_out)
         # P_j moves by P_j (eps_j - sum_m P_m eps_m) = P_j sum_{m != j} P_m (eps_j - eps_m): at
         # most P_j (d_j (1 - P_j) + sum_{m != j} P_m d_m), ~0 for the key of a one-hot row
         dbar = (P * d).sum(-1, keepdims=True)
         e = P * np.maximum(d * (1 - P) + dbar - P * d, 0)
-        dP = np.where(live, (np.asarray(case["g"], np.float64).reshape(B, Hq, L, Ev)
-                             @ np.swapaxes(v, -1, -2)) * kappa, 0)      # dP of the spec
+        dP = np.where(live, (grad_out @ np.swapaxes(v, -1, -2)) * kappa, 0)      # dP of the spec
         r = u * kappa * (g @ np.swapaxes(np.abs(v), -1, -2))               # and its rounding
         D = (P * dP).sum(-1, keepdims=True)
         c = np.abs(dP - D)
